@@ -1,0 +1,135 @@
+"""Checkpoints: written atomically by global rank 0, loaded safely, resumed exactly.
+
+A checkpoint is named after the position to resume from, ``ckpt-<fingerprint>-e<epoch>-s<step>.pt``
+(step = optimizer steps already done in that epoch). The fingerprint hashes everything that
+shapes the training trajectory (config, world size, data), so a run only resumes from its own
+checkpoints; another experiment's files stay untouched and can be resumed when it comes back.
+Loading uses ``torch.load(weights_only=True)`` only: a file carrying a pickle payload is refused
+and its code never runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ddpipe.fsutil import atomic_save
+
+_NAME = re.compile(r"^ckpt-(?P<fp>[0-9a-f]{12})-e(?P<epoch>\d{4,})-s(?P<step>\d{6,})\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint although some exist, or a checkpoint cannot be written."""
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where training resumes: ``epoch`` (0-based) and optimizer steps already done in it."""
+
+    epoch: int
+    step: int
+
+
+def fingerprint(trajectory: dict[str, Any]) -> str:
+    """12 hex digits identifying a training trajectory (config + world size + data)."""
+    blob = json.dumps(trajectory, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def checkpoint_path(directory: Path, fp: str, pos: Position) -> Path:
+    return Path(directory) / f"ckpt-{fp}-e{pos.epoch:04d}-s{pos.step:06d}.pt"
+
+
+def list_checkpoints(directory: Path, fp: str | None = None) -> list[tuple[Position, Path]]:
+    """Checkpoints in ``directory`` (of fingerprint ``fp`` if given), oldest first."""
+    found = []
+    for path in Path(directory).glob("ckpt-*.pt"):
+        m = _NAME.match(path.name)
+        if m and (fp is None or m["fp"] == fp):
+            found.append((Position(int(m["epoch"]), int(m["step"])), path))
+    return sorted(found, key=lambda t: (t[0].epoch, t[0].step))
+
+
+def save_checkpoint(directory: Path, fp: str, pos: Position, state: dict[str, Any], keep: int) -> Path:
+    """Write ``state`` atomically (temp file, fsync, os.replace), then keep the ``keep`` newest of
+    this fingerprint. Call on global rank 0 only; the caller then meets the other ranks at a barrier."""
+    path = checkpoint_path(directory, fp, pos)
+    payload = {**state, "position": torch.tensor([pos.epoch, pos.step]), "fingerprint": fp}
+    atomic_save(path, lambda f: torch.save(payload, f))
+    for _, old in list_checkpoints(directory, fp)[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def load_latest(directory: Path, fp: str) -> tuple[Position, dict[str, Any]] | None:
+    """The newest checkpoint of this fingerprint that loads, falling back past corrupt ones.
+
+    None if this run has no checkpoint (a fresh start). CheckpointError if it has some but none
+    loads: a silent fresh start would throw away the user's progress.
+    """
+    candidates = list_checkpoints(directory, fp)
+    failures = []
+    for pos, path in reversed(candidates):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # truncated zip, bad pickle, refused global: all unusable
+            detail = (str(exc).strip().splitlines() or ["(no message)"])[0][:200]
+            failures.append(f"{path.name}: {type(exc).__name__}: {detail}")
+            print(f"warning: checkpoint {path} cannot be loaded ({failures[-1]}); trying an older one",
+                  file=sys.stderr, flush=True)
+            continue
+        if not isinstance(state, dict) or state.get("fingerprint") != fp:
+            failures.append(f"{path.name}: not a ddpipe checkpoint of this run")
+            continue
+        return pos, state
+    if failures:
+        raise CheckpointError(
+            f"{directory}: none of this run's {len(candidates)} checkpoint(s) can be loaded "
+            f"({'; '.join(failures)}). Move them away to start fresh, or restore a good copy."
+        )
+    return None
+
+
+def other_runs(directory: Path, fp: str) -> list[Path]:
+    """Checkpoints of other configurations (reported when a run starts fresh beside them)."""
+    return [p for _, p in list_checkpoints(directory) if f"-{fp}-" not in p.name]
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG states as tensors (so that weights_only loading accepts them)
+
+
+def rng_state() -> dict[str, torch.Tensor | list[torch.Tensor]]:
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy_keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+        "numpy_meta": torch.tensor([np_state[2], np_state[3]], dtype=torch.int64),
+        "numpy_gauss": torch.tensor([np_state[4]], dtype=torch.float64),
+        "python": torch.tensor(list(py_state[1]), dtype=torch.int64),
+        "python_version": torch.tensor([py_state[0]], dtype=torch.int64),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state((
+        "MT19937", state["numpy_keys"].numpy().astype(np.uint32),
+        int(state["numpy_meta"][0]), int(state["numpy_meta"][1]), float(state["numpy_gauss"][0]),
+    ))
+    random.setstate((int(state["python_version"][0]), tuple(int(v) for v in state["python"]), None))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,235 @@
+"""All distributed plumbing: process group set-up and tear-down, rank/device/backend, threads,
+SyncBatchNorm (including a CPU implementation), and reductions.
+
+Under ``torchrun`` the environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK...)
+says who we are; as a plain ``python`` process we are rank 0 of 1 and no process group exists.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ddpipe.config import DistributedConfig
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Who this process is. ``distributed`` is True when a process group exists (under torchrun)."""
+
+    distributed: bool
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    num_nodes: int
+    device: torch.device
+    backend: str | None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def cpu_count() -> int:
+    """Cores this process may run on (affinity/cgroup aware where the OS says)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def resolve_nproc(cfg: DistributedConfig) -> int:
+    """Processes per node for torchrun. ``auto``: one per visible GPU; on a CPU-only machine one
+    process that uses every core as intra-op threads, which measured faster here than one
+    single-thread process per core (BENCHMARKS.md, "DDP overhead"). An int is taken as given."""
+    if cfg.nproc_per_node != "auto":
+        return int(cfg.nproc_per_node)
+    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+
+
+def init_distributed(cfg: DistributedConfig) -> DistInfo:
+    """Bind this process to its device, set its CPU threads, and join the process group if launched
+    by torchrun. Each rank takes its device from LOCAL_RANK."""
+    under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", 1)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        # Each process gets its share of the node's cores; more threads than cores just thrash.
+        torch.set_num_threads(cfg.threads_per_process or max(1, cpu_count() // local_world_size))
+    backend = None
+    if under_launcher:
+        backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        if backend == "nccl" and device.type != "cuda":
+            raise ValueError("distributed.backend = 'nccl' needs CUDA GPUs; accepted here: auto or gloo")
+        dist.init_process_group(
+            backend=backend, timeout=datetime.timedelta(seconds=cfg.timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    num_nodes = max(1, world_size // max(1, local_world_size))
+    return DistInfo(under_launcher, rank, local_rank, world_size, local_world_size, num_nodes, device, backend)
+
+
+def cleanup() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(info: DistInfo) -> None:
+    if info.distributed:
+        dist.barrier()
+
+
+def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Sum over ranks in place (no-op for one process)."""
+    if info.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def broadcast_object(obj: object, info: DistInfo) -> object:
+    """Rank 0's ``obj`` on every rank."""
+    if not info.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def print0(*args: object, info: DistInfo | None = None, **kwargs: object) -> None:
+    """Print on global rank 0 only."""
+    if info is None or info.is_main:
+        print(*args, **kwargs, flush=True)
+
+
+def fail(message: str, info: DistInfo) -> None:
+    """Report an error from this rank, naming it, on stderr."""
+    print(f"[rank {info.rank}/{info.world_size} on node {os.uname().nodename}] error: {message}",
+          file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# SyncBatchNorm
+
+
+class _SyncBatchNormFunction(torch.autograd.Function):
+    """Batch normalisation over the union of every rank's batch, with a hand-written backward.
+
+    Forward all-reduces per-channel [sum, sum of squares, count]; backward all-reduces
+    [sum(dy), sum(dy * x_hat)], as torch's CUDA SyncBatchNorm does. The passes over the activations
+    use ATen's fused CPU batch-norm kernels (stats, eval-mode normalisation, backward reductions):
+    composing var_mean and elementwise ops instead made a 2-process step 3x slower (BENCHMARKS.md).
+    Weight and bias gradients stay local; DDP averages them like any other parameter's.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        # fp32 statistics even for bf16 activations (ATen returns them in the input's dtype).
+        mean_l, var_l = torch.batch_norm_update_stats(x.float(), None, None, 0.0)
+        n_l = x.numel() / x.shape[1]
+        stats = torch.cat([mean_l * n_l, (var_l + mean_l * mean_l) * n_l, mean_l.new_full((1,), n_l)])
+        dist.all_reduce(stats)
+        c = x.shape[1]
+        total = stats[2 * c]
+        mean = stats[:c] / total
+        var = (stats[c:2 * c] / total - mean * mean).clamp_min(0.0)
+        y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
+        invstd = torch.rsqrt(var + eps)
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.total, ctx.eps = total, eps
+        return y, mean, var, total
+
+    @staticmethod
+    def backward(ctx, dy, _mean, _var, _total):
+        x, weight, mean, invstd = ctx.saved_tensors
+        _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            dy, x, weight, None, None, mean, invstd, True, ctx.eps, [False, True, True])
+        grad_weight, grad_bias = sum_dy_xhat.clone(), sum_dy.clone()  # local, as DDP expects
+        both = torch.cat([sum_dy.float(), sum_dy_xhat.float()])
+        dist.all_reduce(both)
+        c = x.shape[1]
+        mean_dy, mean_dy_xhat = both[:c] / ctx.total, both[c:] / ctx.total
+        # dx = w * invstd * (dy - mean(dy) - x_hat * mean(dy * x_hat)), means over all ranks
+        a = weight.float() * invstd
+        b = -a * invstd * mean_dy_xhat
+        offset = -a * mean_dy - b * mean
+        # Two fused per-channel affine maps (eval-mode batch_norm with mean 0, var 1, eps 0):
+        # mixed bf16/fp32 addcmul was the slowest op of a step.
+        zeros, ones = torch.zeros_like(a), torch.ones_like(a)
+        dx = torch.batch_norm(dy, a, offset, zeros, ones, False, 0.0, 0.0, False)
+        dx += torch.batch_norm(x, b, zeros, zeros, ones, False, 0.0, 0.0, False)
+        return dx.to(x.dtype), grad_weight.to(weight.dtype), grad_bias.to(weight.dtype), None
+
+
+class CPUSyncBatchNorm(_BatchNorm):
+    """BatchNorm whose batch statistics span all ranks, for CPU process groups (gloo).
+
+    torch.nn.SyncBatchNorm raises for CPU tensors. This one gives the same outputs, input and
+    parameter gradients (summed over ranks) and running statistics as one BatchNorm over the
+    concatenated batch; running statistics are updated as torch does (momentum average,
+    unbiased variance). Outside a multi-process group, or in eval mode, it is plain BatchNorm.
+    """
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        if x.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {x.dim()}D input)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and dist.is_available() and dist.is_initialized()
+                and dist.get_world_size() > 1):
+            return super().forward(x)
+        assert self.affine, "ddpipe's models use affine BatchNorm"
+        with torch.autocast(x.device.type, enabled=False):
+            y, mean, var, total = _SyncBatchNormFunction.apply(x, self.weight, self.bias, self.eps)
+        if self.track_running_stats:
+            self._update_running_stats(mean.detach(), var.detach(), float(total.detach()))
+        return y
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, total: float) -> None:
+        self.num_batches_tracked += 1
+        momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+        unbiased = var * (total / max(total - 1.0, 1.0))
+        self.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+        self.running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
+
+
+def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
+    """Replace every BatchNorm with a synchronised one: torch's on CUDA, ours on CPU."""
+    if device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return _convert_cpu(model)
+
+
+def _convert_cpu(module: nn.Module) -> nn.Module:
+    out = module
+    if isinstance(module, _BatchNorm) and not isinstance(module, CPUSyncBatchNorm):
+        out = CPUSyncBatchNorm(module.num_features, module.eps, module.momentum,
+                               module.affine, module.track_running_stats)
+        if module.affine:
+            with torch.no_grad():
+                out.weight.copy_(module.weight)
+                out.bias.copy_(module.bias)
+        if module.track_running_stats:
+            out.running_mean.copy_(module.running_mean)
+            out.running_var.copy_(module.running_var)
+            out.num_batches_tracked.copy_(module.num_batches_tracked)
+    for name, child in module.named_children():
+        out.add_module(name, _convert_cpu(child))
+    return out

@@ -1,0 +1,93 @@
+"""Networks. No distributed code here: the trainer converts BatchNorm and wraps in DDP.
+
+``build_model(cfg, num_channels, num_classes)`` is also what rebuilds a saved model, so the saved
+file (``paths.model``) records exactly these three inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ddpipe.config import ModelConfig
+
+
+def _conv_bn(c_in: int, c_out: int, stride: int = 1) -> list[nn.Module]:
+    return [nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True)]
+
+
+class Residual(nn.Module):
+    """x + f(x), with f two 3x3 conv-BN-ReLU layers (the post-activation of the last is kept:
+    this is the ResNet-9 block that trains fast on small images)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*_conv_bn(channels, channels), *_conv_bn(channels, channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.body(x)
+
+
+class ResNetSmall(nn.Module):
+    """The default: a compact residual CNN (the ResNet-9 layout, scaled down) for 28x28/32x32 images.
+
+    conv (w) -> pool -> conv (2w) -> residual(2w) -> conv (4w) -> pool -> residual(4w)
+    -> global max pool -> linear. Only the 1-channel stem runs at full resolution; the rest runs at
+    1/2 and 1/4, which on a 2-core CPU measured 1.5x the images/s of the same widths pooled after
+    the second conv, for ~0.3 points of Fashion-MNIST accuracy at equal epochs (BENCHMARKS.md).
+    """
+
+    def __init__(self, in_channels: int, num_classes: int, width: int = 16) -> None:
+        super().__init__()
+        w = width
+        self.features = nn.Sequential(
+            *_conv_bn(in_channels, w), nn.MaxPool2d(2),
+            *_conv_bn(w, 2 * w),
+            Residual(2 * w),
+            *_conv_bn(2 * w, 4 * w), nn.MaxPool2d(2),
+            Residual(4 * w),
+            nn.AdaptiveMaxPool2d(1), nn.Flatten(),
+        )
+        self.classifier = nn.Linear(4 * w, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class SeedCNN(nn.Module):
+    """The seed documents' plain 5-conv BatchNorm CNN (the benchmarks' reference model)."""
+
+    def __init__(self, in_channels: int, num_classes: int, width: int = 32) -> None:
+        super().__init__()
+        w = width
+        self.features = nn.Sequential(
+            *_conv_bn(in_channels, w), *_conv_bn(w, w), nn.MaxPool2d(2),
+            *_conv_bn(w, 2 * w), *_conv_bn(2 * w, 2 * w), nn.MaxPool2d(2),
+            *_conv_bn(2 * w, 4 * w), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        )
+        self.classifier = nn.Linear(4 * w, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+def _torchvision_resnet(name: str, in_channels: int, num_classes: int) -> nn.Module:
+    """A torchvision ResNet with its ImageNet stem (7x7 stride-2 conv + max pool, which would shrink
+    a 28x28 image to 7x7 before the first block) replaced by a 3x3 stride-1 conv for small images."""
+    import torchvision
+
+    model = getattr(torchvision.models, name)(weights=None, num_classes=num_classes)
+    model.conv1 = nn.Conv2d(in_channels, model.conv1.out_channels, 3, 1, 1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
+
+
+def build_model(cfg: ModelConfig, num_channels: int, num_classes: int) -> nn.Module:
+    """The network named by ``model.name`` for images of ``num_channels`` channels."""
+    if cfg.name == "resnet_small":
+        return ResNetSmall(num_channels, num_classes, cfg.width)
+    if cfg.name == "seed_cnn":
+        return SeedCNN(num_channels, num_classes, cfg.width)
+    if cfg.name in ("resnet18", "resnet34", "resnet50"):
+        return _torchvision_resnet(cfg.name, num_channels, num_classes)
+    raise ValueError(f"model.name = {cfg.name!r} is not accepted")  # config validation catches this first

@@ -1,0 +1,20 @@
+"""DVC stage `evaluate`: test-split metrics and plots for the trained model, logged to its MLflow run.
+
+    python stages/evaluate.py [key=value ...]
+"""
+
+from ddpipe.cli import run_stage
+from ddpipe.config import Config
+from ddpipe.data import PreparedDataError
+
+
+def main(cfg: Config) -> None:
+    from ddpipe.evaluation import evaluate
+
+    test = evaluate(cfg)["test"]
+    print(f"test accuracy {test['accuracy']:.4f}, loss {test['loss']:.4f}, macro-F1 {test['macro_f1']:.4f} "
+          f"on {test['num_samples']} images -> {cfg.paths.test_metrics}")
+
+
+if __name__ == "__main__":
+    run_stage(main, "stages/evaluate.py", (PreparedDataError, FileNotFoundError))

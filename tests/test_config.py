@@ -1,0 +1,160 @@
+"""The parameter schema: load order, and every class of invalid input rejected with a message that
+names the key, the value and what is accepted, before any work starts."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from ddpipe.config import Config, ConfigError, flatten, load_config, schema_table
+from tests.conftest import PARAMS, ROOT, run
+
+
+def test_params_yaml_matches_the_schema_keys() -> None:
+    """params.yaml spells out every key (so `dvc exp run -S key=...` can set any of them)."""
+    on_disk = OmegaConf.to_container(OmegaConf.load(PARAMS))
+    flat_disk = {k for k in flatten_dict(on_disk)}
+    assert flat_disk == set(flatten(Config()))
+
+
+def flatten_dict(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten_dict(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_load_order_defaults_file_command_line(tmp_path: Path) -> None:
+    params = tmp_path / "params.yaml"
+    params.write_text("num_epochs: 5\ntrain:\n  base_lr: 0.01\n")
+    cfg = load_config(["num_epochs=7"], params_file=params)
+    assert cfg.num_epochs == 7  # command line beats the file
+    assert cfg.train.base_lr == 0.01  # file beats the default
+    assert cfg.train.batch_size_per_rank == Config().train.batch_size_per_rank  # default
+
+
+def test_relied_on_keys_exist() -> None:
+    keys = set(flatten(Config()))
+    for key in ("num_epochs", "seed", "data.dataset", "data.source_dir", "data.val_fraction",
+                "data.max_train_samples", "model.name", "train.base_lr", "train.lr_scaling",
+                "train.batch_size_per_rank", "distributed.nproc_per_node", "distributed.max_restarts",
+                "mlflow.tracking_uri", "mlflow.experiment_name", "paths.model", "paths.checkpoints"):
+        assert key in keys, key
+
+
+def test_every_field_is_documented() -> None:
+    def walk(schema: type) -> None:
+        for f in dataclasses.fields(schema):
+            if dataclasses.is_dataclass(f.type) or f.name in ("data", "model", "train", "distributed",
+                                                              "mlflow", "paths"):
+                continue
+            assert f.metadata.get("doc"), f"{schema.__name__}.{f.name} has no doc"
+
+    for section in dataclasses.fields(Config):
+        sub = getattr(Config(), section.name)
+        if dataclasses.is_dataclass(sub):
+            walk(type(sub))
+    assert "`train.base_lr`" in schema_table()
+
+
+def test_string_numbers_are_accepted() -> None:
+    cfg = load_config(["num_epochs=20", "train.base_lr=3e-3", "data.max_train_samples=null",
+                       "distributed.nproc_per_node=4", "train.hflip=false"], params_file=None)
+    assert cfg.num_epochs == 20 and cfg.train.base_lr == 0.003 and cfg.data.max_train_samples is None
+    assert cfg.distributed.nproc_per_node == "4" and cfg.train.hflip is False
+    assert load_config(['num_epochs="20"'], params_file=None).num_epochs == 20
+
+
+@pytest.mark.parametrize("override, key, accepted", [
+    ("num_epochs=abc", "num_epochs", "an integer >= 1"),
+    ("num_epochs=2.5", "num_epochs", "an integer >= 1"),
+    ("num_epochs=-3", "num_epochs", "an integer >= 1"),
+    ("num_epochs=0", "num_epochs", "an integer >= 1"),
+    ("num_epochs=true", "num_epochs", "an integer"),
+    ("data.val_fraction=1.5", "data.val_fraction", "a number > 0.0 and < 1.0"),
+    ("data.val_fraction=abc", "data.val_fraction", "a number"),
+    ("data.max_train_samples=0", "data.max_train_samples", ">= 1"),
+    ("train.batch_size_per_rank=0", "train.batch_size_per_rank", ">= 1"),
+    ("train.eval_batch_size_per_rank=-1", "train.eval_batch_size_per_rank", ">= 1"),
+    ("train.base_lr=0", "train.base_lr", "> 0.0"),
+    ("train.base_lr=-0.1", "train.base_lr", "> 0.0"),
+    ("train.grad_accum_steps=0", "train.grad_accum_steps", ">= 1"),
+    ("train.label_smoothing=1", "train.label_smoothing", "< 1.0"),
+    ("data.dataset=imagenet", "data.dataset", "one of fashion_mnist, mnist, cifar10, imagefolder"),
+    ("model.name=vgg", "model.name", "one of resnet_small"),
+    ("train.optimizer=adam", "train.optimizer", "one of adamw, sgd"),
+    ("train.precision=fp8", "train.precision", "one of auto, fp32, bf16, fp16"),
+    ("train.lr_scaling=cubic", "train.lr_scaling", "one of sqrt, linear, none"),
+    ("distributed.backend=mpi", "distributed.backend", "one of auto, nccl, gloo"),
+    ("distributed.nproc_per_node=many", "distributed.nproc_per_node", "a positive integer or auto"),
+    ("distributed.nproc_per_node=0", "distributed.nproc_per_node", "a positive integer or auto"),
+    ("train.hflip=maybe", "train.hflip", "true or false"),
+    ("num_epochs=null", "num_epochs", "an integer"),
+])
+def test_invalid_values_name_key_value_and_accepted(override: str, key: str, accepted: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config([override], params_file=PARAMS)
+    message = str(err.value)
+    assert key in message and accepted in message
+    assert override.split("=", 1)[1].lower() in message.lower()  # the bad value is shown
+
+
+@pytest.mark.parametrize("override, unknown, suggestion", [
+    ("data.no_such_key=1", "data.no_such_key", None),
+    ("num_epoch=3", "num_epoch", "num_epochs"),
+    ("train.base_lrr=0.1", "train.base_lrr", "train.base_lr"),
+    ("trian.base_lr=0.1", "trian", "train"),
+])
+def test_unknown_keys_are_rejected_with_did_you_mean(override: str, unknown: str, suggestion: str | None) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config([override], params_file=PARAMS)
+    message = str(err.value)
+    assert f"unknown key '{unknown}'" in message
+    if suggestion:
+        assert f"Did you mean '{suggestion}'" in message
+
+
+def test_bad_params_file_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "params.yaml"
+    bad.write_text("num_epochs: [1, 2\n")
+    with pytest.raises(ConfigError, match=str(bad)):
+        load_config([], params_file=bad)
+    bad.write_text("num_epochs: 2\ntrain:\n  batch_size: 3\n")
+    with pytest.raises(ConfigError, match=r"params.yaml: unknown key 'train.batch_size'"):
+        load_config([], params_file=bad)
+
+
+def test_override_without_equals_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(["num_epochs"], params_file=None)
+
+
+@pytest.mark.parametrize("stage, bad", [
+    *[("prepare", b) for b in ("num_epochs=abc", "num_epochs=-3", "num_epochs=2.5",
+                               "data.val_fraction=1.5", "data.no_such_key=1")],
+    ("fetch", "num_epochs=abc"), ("train", "train.base_lr=0"), ("evaluate", "data.no_such_key=1"),
+])
+def test_stage_scripts_fail_before_work_naming_the_key(tmp_path: Path, stage: str, bad: str) -> None:
+    """Each stage exits non-zero with one line naming the key; nothing is written or touched."""
+    sentinel = tmp_path / "raw"
+    sentinel.mkdir()
+    (sentinel / "keep.txt").write_text("precious")
+    result = run(["python", f"stages/{stage}.py", bad, f"paths.raw={sentinel}",
+                  f"paths.prepared={tmp_path}/prepared", f"paths.model={tmp_path}/m.pt"],
+                 check=False, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert bad.split("=")[0] in result.stderr and "Traceback" not in result.stderr
+    assert (sentinel / "keep.txt").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw"]
+
+
+def test_config_module_prints_schema_and_resolved_config() -> None:
+    out = run(["python", "-m", "ddpipe.config", "num_epochs=3"], cwd=ROOT).stdout
+    assert "num_epochs: 3" in out
+    assert "| `data.val_fraction` |" in run(["python", "-m", "ddpipe.config", "--schema"]).stdout

@@ -1,0 +1,165 @@
+"""Dataset files: parsing each format from generated files, checksum verification, the order of
+sources, and torchvision's download path exercised against a local HTTP server."""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import http.server
+import pickle
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ddpipe import sources
+from ddpipe.config import DataConfig
+from ddpipe.sources import DataSourceError, fetch, load_raw, read_cifar10, read_idx, read_imagefolder, verify_file
+from tests.conftest import FASHION_DIR, make_cifar_like, make_imagefolder, make_mnist_like, write_idx
+
+
+def test_idx_roundtrip(tmp_path: Path) -> None:
+    a = np.random.default_rng(0).integers(0, 256, size=(7, 28, 28))
+    write_idx(tmp_path / "x.gz", a)
+    np.testing.assert_array_equal(read_idx(tmp_path / "x.gz"), a)
+
+
+def test_idx_truncated_or_bad_magic_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    write_idx(path, np.zeros((5, 28, 28)))
+    data = gzip.decompress(path.read_bytes())
+    path.write_bytes(gzip.compress(data[:-100]))
+    with pytest.raises(DataSourceError, match=f"{path}: truncated"):
+        read_idx(path)
+    path.write_bytes(gzip.compress(b"\x01\x02\x03\x04" + data[4:]))
+    with pytest.raises(DataSourceError, match="bad magic"):
+        read_idx(path)
+
+
+def test_mnist_format_parses(tmp_path: Path) -> None:
+    make_mnist_like(tmp_path, n_train=30, n_test=10)
+    raw = load_raw(DataConfig(dataset="mnist"), tmp_path)
+    assert raw.train_images.shape == (30, 1, 28, 28) and raw.train_images.dtype == np.uint8
+    assert raw.test_labels.shape == (10,) and raw.test_labels.dtype == np.int64
+    assert raw.classes == [str(i) for i in range(10)]
+
+
+def test_cifar10_format_parses(tmp_path: Path) -> None:
+    make_cifar_like(tmp_path, per_batch=20)
+    raw = read_cifar10(tmp_path / "cifar-10-batches-py")
+    assert raw.train_images.shape == (100, 3, 32, 32) and raw.test_images.shape == (20, 3, 32, 32)
+    assert raw.classes[0] == "airplane" and raw.train_labels.dtype == np.int64
+
+
+def test_cifar_pickle_with_code_is_refused(tmp_path: Path) -> None:
+    make_cifar_like(tmp_path, per_batch=10)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    (tmp_path / "cifar-10-batches-py" / "test_batch").write_bytes(pickle.dumps({"data": Payload()}))
+    with pytest.raises(DataSourceError, match="test_batch"):
+        read_cifar10(tmp_path / "cifar-10-batches-py")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("mode, channels", [("RGB", 3), ("L", 1)])
+def test_imagefolder_parses_and_resizes(tmp_path: Path, mode: str, channels: int) -> None:
+    make_imagefolder(tmp_path, per_class=4, mode=mode, size=20)
+    raw = read_imagefolder(tmp_path, image_size=16)
+    assert raw.classes == ["cat", "dog", "fox"]
+    assert raw.train_images.shape == (12, channels, 16, 16) and raw.test_images is None
+    assert sorted(np.bincount(raw.train_labels)) == [4, 4, 4]
+
+
+def test_imagefolder_needs_class_folders(tmp_path: Path) -> None:
+    with pytest.raises(DataSourceError, match="needs data.source_dir"):
+        fetch(DataConfig(dataset="imagefolder"), tmp_path / "out")
+    (tmp_path / "flat").mkdir()
+    with pytest.raises(DataSourceError, match="one sub-folder of images per class"):
+        fetch(DataConfig(dataset="imagefolder", source_dir=str(tmp_path / "flat")), tmp_path / "out")
+
+
+def test_checksum_mismatch_names_the_file(tmp_path: Path) -> None:
+    make_mnist_like(tmp_path / "src")
+    with pytest.raises(DataSourceError) as err:
+        fetch(DataConfig(dataset="mnist", source_dir=str(tmp_path / "src")), tmp_path / "out")
+    assert "train-images-idx3-ubyte.gz: checksum mismatch" in str(err.value)
+    assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_fetch_from_source_dir_copies_verified_files(tmp_path: Path, accept_test_checksums) -> None:
+    src = make_mnist_like(tmp_path / "src")
+    accept_test_checksums("mnist", src)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    origin = fetch(DataConfig(dataset="mnist", source_dir=str(src)), out)
+    assert "data.source_dir" in origin
+    assert sorted(p.name for p in out.iterdir()) == sorted(sources.required_files("mnist"))
+
+
+def test_fetch_cifar_from_archive(tmp_path: Path, accept_test_checksums) -> None:
+    import tarfile
+
+    make_cifar_like(tmp_path / "gen")
+    src = tmp_path / "src"
+    src.mkdir()
+    with tarfile.open(src / "cifar-10-python.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "gen" / "cifar-10-batches-py", arcname="cifar-10-batches-py")
+    accept_test_checksums("cifar10", tmp_path / "gen" / "cifar-10-batches-py", src)
+    fetch(DataConfig(dataset="cifar10", source_dir=str(src)), tmp_path / "out")
+    assert read_cifar10(tmp_path / "out").train_images.shape == (100, 3, 32, 32)
+
+
+def test_offline_without_a_copy_lists_three_ways(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sources, "DEBIAN_DIRS", {"mnist": str(tmp_path / "no-debian")})
+    with pytest.raises(DataSourceError) as err:
+        fetch(DataConfig(dataset="mnist", download=False), tmp_path / "out")
+    message = str(err.value)
+    assert "1. set data.source_dir" in message and "2. install Debian's package" in message
+    assert "3. allow the download" in message
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def local_server(tmp_path: Path):
+    served = tmp_path / "served"
+    served.mkdir()
+    handler = functools.partial(_QuietHandler, directory=str(served))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield served, f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+
+
+def test_download_path_with_local_mirror(tmp_path: Path, local_server, accept_test_checksums,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    served, url = local_server
+    make_mnist_like(served)
+    accept_test_checksums("mnist", served)
+    monkeypatch.setattr(sources, "DEBIAN_DIRS", {})
+    origin = fetch(DataConfig(dataset="mnist"), tmp_path / "out", download_urls={"mnist": [url]})
+    assert origin == "torchvision's download"
+    assert load_raw(DataConfig(dataset="mnist"), tmp_path / "out").train_images.shape[0] == 200
+
+
+def test_download_failure_is_reported_with_the_ways(tmp_path: Path, local_server,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    _, url = local_server  # serves nothing: 404 for every file
+    monkeypatch.setattr(sources, "DEBIAN_DIRS", {})
+    with pytest.raises(DataSourceError, match="download failed"):
+        fetch(DataConfig(dataset="fashion_mnist"), tmp_path / "out", download_urls={"fashion_mnist": [url]})
+
+
+@pytest.mark.skipif(not FASHION_DIR.is_dir(), reason="Debian's dataset-fashion-mnist is not installed")
+def test_debian_fashion_mnist_files_verify() -> None:
+    for name in sources.required_files("fashion_mnist"):
+        verify_file(FASHION_DIR / name, "fashion_mnist")

@@ -1,0 +1,213 @@
+"""MLflow tracking against real stores (sqlite and a real `mlflow server`), never a mock; DVC
+experiments end to end in a temporary clone; tracking down never stops training."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ddpipe.config import Config, MlflowConfig
+from ddpipe.distributed import DistInfo
+from ddpipe.tracking import MlflowTracker, NullTracker, make_tracker, tracking_uri
+from tests.conftest import FASHION_DIR, ROOT, VENV_BIN, free_port, run
+from tests.test_training import args_for, prepared  # noqa: F401  (module fixture)
+
+
+def _client(uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def test_only_global_rank_zero_tracks() -> None:
+    cpu = torch.device("cpu")
+    assert isinstance(make_tracker(MlflowConfig(), DistInfo(True, 0, 0, 2, 1, 2, cpu, "gloo")), MlflowTracker)
+    other = make_tracker(MlflowConfig(), DistInfo(True, 1, 0, 2, 1, 2, cpu, "gloo"))
+    assert type(other) is NullTracker and other.log_metrics({"x": 1.0}, step=0) is None
+
+
+def test_tracking_uri_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    assert tracking_uri(MlflowConfig()) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    assert tracking_uri(MlflowConfig(tracking_uri="http://a:1")) == "http://a:1"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://b:2")
+    assert tracking_uri(MlflowConfig(tracking_uri="http://a:1")) == "http://b:2"
+
+
+@pytest.mark.slow
+def test_training_and_evaluation_make_one_complete_run(tmp_path: Path, prepared: Path) -> None:  # noqa: F811
+    args = args_for(tmp_path, prepared, "mlflow.experiment_name=unit")
+    run(["python", "stages/train.py", *args], env={"DVC_EXP_NAME": "my-exp"})
+    run(["python", "stages/evaluate.py", *args])
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = _client(uri)
+    exp = client.get_experiment_by_name("unit")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1
+    r = runs[0]
+    assert r.info.run_name == "my-exp" and r.info.status == "FINISHED"
+    assert r.data.params["num_epochs"] == "2" and r.data.params["train.base_lr"] == "0.002"
+    assert r.data.params["world_size"] == "1" and "effective_lr" in r.data.params
+    for tag in ("git_commit", "git_dirty", "world_size", "backend", "device_type", "torch_version", "host"):
+        assert tag in r.data.tags, tag
+    history = client.get_metric_history(r.info.run_id, "val_accuracy")
+    assert [m.step for m in history] == [0, 1]
+    assert "test_accuracy" in r.data.metrics and "test_macro_f1" in r.data.metrics
+    artifacts = {a.path for a in client.list_artifacts(r.info.run_id, "evaluation")}
+    assert {"evaluation/confusion_matrix.png", "evaluation/misclassified.png"} <= artifacts
+
+    import mlflow.pytorch
+
+    mlflow.set_tracking_uri(uri)
+    model = mlflow.pytorch.load_model(f"runs:/{r.info.run_id}/model")
+    for batch in (1, 7):
+        assert model(torch.zeros(batch, 1, 28, 28)).shape == (batch, 10)
+    run_info = json.loads((tmp_path / "run.json").read_text())
+    assert run_info["run_id"] == r.info.run_id
+
+
+def _wait_for(url: str, seconds: float) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"{url} did not come up in {seconds} s")
+
+
+@pytest.mark.slow
+def test_real_mlflow_server(tmp_path: Path, prepared: Path) -> None:  # noqa: F811
+    port = free_port()
+    server = subprocess.Popen(
+        [str(VENV_BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
+         "--artifacts-destination", str(tmp_path / "server-artifacts"), "--workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        uri = f"http://127.0.0.1:{port}"
+        _wait_for(f"{uri}/health", 90)
+        run(["python", "stages/train.py", *args_for(tmp_path, prepared, "num_epochs=1")],
+            env={"MLFLOW_TRACKING_URI": uri})
+        runs = _client(uri).search_runs([_client(uri).get_experiment_by_name("ddpipe").experiment_id])
+        assert len(runs) == 1 and len(_client(uri).get_metric_history(runs[0].info.run_id, "val_loss")) == 1
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_tracking_server_down_costs_bounded_time_and_training_completes(tmp_path: Path, prepared: Path) -> None:  # noqa: F811
+    result = run(["python", "stages/train.py", *args_for(tmp_path, prepared, "num_epochs=1")],
+                 env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}, timeout=300)
+    assert "MLflow tracking at http://127.0.0.1:9 failed" in result.stderr
+    assert result.stderr.count("MLflow tracking at") == 1  # one warning, then silence
+    assert (tmp_path / "model.pt").is_file() and (tmp_path / "train.json").is_file()
+    assert len(list((tmp_path / "ckpt").glob("ckpt-*.pt"))) == 1
+
+
+def test_tracker_failure_is_contained(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tracker = MlflowTracker(MlflowConfig(tracking_uri="http://127.0.0.1:9"))  # nothing listens there
+    with pytest.warns(RuntimeWarning, match="training goes on without tracking"):
+        tracker.start(Config(), DistInfo(False, 0, 0, 1, 1, 1, torch.device("cpu"), None), {})
+    assert tracker.run_id is None and not tracker.enabled
+    tracker.log_metrics({"x": 1.0}, step=0)  # silently off from now on
+
+
+# ---------------------------------------------------------------------------------------------
+# DVC experiments in a temporary clone
+
+EXP_PARAMS = ["-S", "data.max_train_samples=1024", "-S", "model.width=8", "-S", "num_epochs=2",
+              "-S", "train.batch_size_per_rank=64", "-S", "train.progress_bar=false"]
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The repository as committed files in a fresh git repo (what a clone holds)."""
+    if not FASHION_DIR.is_dir():
+        pytest.skip("Debian's dataset-fashion-mnist is not installed")
+    repo = tmp_path_factory.mktemp("clone") / "repo"
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for f in files:
+        if (ROOT / f).is_file():
+            (repo / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, repo / f)
+    git_env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+               "GIT_COMMITTER_EMAIL": "t@t"}
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "clone"]):
+        run(cmd, cwd=repo, env=git_env)
+    return repo
+
+
+def _git_env() -> dict:
+    return {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+            "GIT_COMMITTER_EMAIL": "t@t", "MLFLOW_TRACKING_URI": ""}
+
+
+def _runs_by_name(repo: Path) -> dict:
+    client = _client(f"sqlite:///{repo}/mlflow.db")
+    exp = client.get_experiment_by_name("ddpipe")
+    return {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
+
+
+@pytest.mark.slow
+def test_dvc_exp_run_is_one_named_mlflow_run(clone: Path) -> None:
+    env = {k: v for k, v in _git_env().items() if k != "MLFLOW_TRACKING_URI"}
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    run(["dvc", "exp", "run", "-n", "tiny-exp", *EXP_PARAMS], cwd=clone, env=env, timeout=900)
+    runs = _runs_by_name(clone)
+    assert list(runs) == ["tiny-exp"]
+    r = runs["tiny-exp"]
+    client = _client(f"sqlite:///{clone}/mlflow.db")
+    assert r.data.params["num_epochs"] == "2"
+    assert len(client.get_metric_history(r.info.run_id, "val_accuracy")) == 2
+    assert "test_accuracy" in client.get_run(r.info.run_id).data.metrics
+    assert len(r.data.tags["git_commit"]) == 40
+    shown = json.loads(run(["dvc", "exp", "show", "--json"], cwd=clone).stdout)
+    text = json.dumps(shown)
+    assert "tiny-exp" in text and '"accuracy"' in text
+    import mlflow.pytorch
+
+    mlflow.set_tracking_uri(f"sqlite:///{clone}/mlflow.db")
+    model = mlflow.pytorch.load_model(f"runs:/{r.info.run_id}/model")
+    assert model(torch.from_numpy(np.zeros((3, 1, 28, 28), dtype=np.float32))).shape == (3, 10)
+
+
+@pytest.mark.slow
+def test_two_queued_experiments_run_in_parallel(clone: Path) -> None:
+    env = {k: v for k, v in _git_env().items() if k != "MLFLOW_TRACKING_URI"}
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    if not (clone / "dvc.lock").exists():  # queued runs see only what git tracks: commit the lock
+        run(["dvc", "exp", "run", *EXP_PARAMS], cwd=clone, env=env, timeout=900)
+    run(["git", "add", "-A"], cwd=clone, env=env)
+    run(["git", "commit", "-qm", "baseline", "--allow-empty"], cwd=clone, env=env)
+    for seed in (1, 2):
+        run(["dvc", "exp", "run", "--queue", "-n", f"seed-{seed}", "-S", f"seed={seed}", *EXP_PARAMS],
+            cwd=clone, env=env)
+    run(["dvc", "queue", "start", "-j", "2"], cwd=clone, env=env)
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        status = run(["dvc", "queue", "status"], cwd=clone, env=env).stdout
+        if "Queued" not in status and "Running" not in status:
+            break
+        time.sleep(5)
+    status = run(["dvc", "queue", "status"], cwd=clone, env=env).stdout
+    run(["dvc", "queue", "stop"], cwd=clone, env=env, check=False)
+    assert status.count("Success") == 2, status + run(["dvc", "queue", "logs", "seed-1"], cwd=clone,
+                                                       env=env, check=False).stdout
+    runs = _runs_by_name(clone)
+    assert {"seed-1", "seed-2"} <= set(runs)
+    assert runs["seed-1"].data.params["seed"] == "1" and runs["seed-2"].data.params["seed"] == "2"
