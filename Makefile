@@ -41,4 +41,5 @@ lint: setup
 	ruff check src stages tests bench
 
 bench: setup
+	python -c "import lightning" 2>/dev/null || python -m pip install -e '.[dev,bench]'
 	python bench/run_all.py

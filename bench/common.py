@@ -61,6 +61,7 @@ def machine_info() -> dict[str, Any]:
         "cpu": cpu_model(), "cores": cores(), "torch": torch.__version__,
         "python": platform.python_version(), "host": platform.node(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "loadavg_1min": os.getloadavg()[0],
     }
 
 

@@ -23,9 +23,9 @@ import warnings
 from collections.abc import Callable, Iterable
 
 import torch
+from common import REPO, append_jsonl, cores, fashion_mnist_root, markdown_table, write_json
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from common import REPO, append_jsonl, cores, fashion_mnist_root, markdown_table, write_json
 from ddpipe.data import BatchTransform, InMemoryDataset, load_meta, train_loader
 
 VARIANTS = ("ddpipe", "ddpipe-noaug", "reference")
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown_table(["variant", "images/epoch", "images/s (last epoch)"],
                          [[v, int(r["images"]), r["images_per_s"]] for v, r in results.items()]))
     records = [{"bench": "data_path", "variant": v, "batch_size": args.batch_size, "epochs": args.epochs,
-                "threads": torch.get_num_threads(), **r} for v, r in results.items()]
+                "threads": torch.get_num_threads(), "quick": args.quick, **r} for v, r in results.items()]
     append_jsonl("data_path", records)
     write_json(args.json_out, {"results": records})
 

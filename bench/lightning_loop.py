@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import REPO, append_jsonl, cores, markdown_table, write_json
 from torch.utils.data import DataLoader, TensorDataset
 
-from common import REPO, append_jsonl, cores, markdown_table, write_json
 from ddpipe.distributed import convert_sync_batchnorm
 from ddpipe.models import SeedCNN
 
@@ -119,7 +119,7 @@ def report(args: argparse.Namespace, epochs: list[dict[str, float]]) -> None:
         "bench": "lightning_loop", "lightning": L.__version__, "world_size": args.devices,
         "threads": torch.get_num_threads(), "batch_size_per_rank": args.batch_size,
         "precision": args.precision, "epochs": args.epochs, "prepared": str(args.prepared),
-        "max_train_samples": args.max_train_samples, "sync_bn": not args.no_sync_bn,
+        "max_train_samples": args.max_train_samples, "sync_bn": not args.no_sync_bn, "quick": args.quick,
         "images_per_s": epochs[-1]["images_per_s"], "per_epoch": epochs,
     }
     print(markdown_table(["epoch", "images/s", "s"], [[e["epoch"], e["images_per_s"], e["seconds"]]

@@ -28,12 +28,12 @@ _STARTED = time.perf_counter()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from common import append_jsonl, cores, fashion_mnist_root, markdown_table, write_json  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, Subset  # noqa: E402
 from torchvision import datasets, transforms  # noqa: E402
 
-from common import append_jsonl, cores, fashion_mnist_root, markdown_table, write_json  # noqa: E402
 from ddpipe.distributed import convert_sync_batchnorm  # noqa: E402
 from ddpipe.models import SeedCNN  # noqa: E402
 
@@ -147,6 +147,7 @@ def report(args: argparse.Namespace, world: int, epochs: list[dict], acc: float,
         "bench": "reference_loop", "world_size": world, "threads": torch.get_num_threads(),
         "batch_size_per_rank": args.batch_size, "epochs": args.epochs,
         "max_train_samples": args.max_train_samples, "max_test_samples": args.max_test_samples,
+        "quick": args.quick,
         "images_per_s": epochs[-1]["images_per_s"], "test_accuracy": acc, "wall_s": wall,
         "per_epoch": epochs,
     }

@@ -32,6 +32,7 @@ appended to bench/results/run_all.jsonl; the scripts it runs append to their own
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import re
@@ -44,14 +45,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from common import (
+    REPO,
+    BenchError,
+    append_jsonl,
+    clean_env,
+    cores,
+    ensure_prepared,
+    markdown_table,
+    remove,
+    run_timed,
+    summary,
+    temp_dir,
+    torchrun,
+)
 from omegaconf import OmegaConf
-
-from common import (REPO, BenchError, append_jsonl, clean_env, cores, ensure_prepared, markdown_table,
-                    remove, run_timed, summary, temp_dir, torchrun)
 
 PY = sys.executable
 BENCH = REPO / "bench"
 Metrics = dict[str, float]
+Values = dict[str, dict[str, list[float]]]  # variant -> metric -> one value per repetition
+# Quoted: ddpipe's override parser reads a bare `off` as YAML 1.1's boolean false, which
+# train.channels_last (auto | on | off) then rejects as 'False'.
+CHANNELS_LAST_OFF = "train.channels_last='off'"
+TRAIN_OUTPUTS = ("checkpoints", "model", "run_info", "train_metrics", "history", "test_metrics", "confusion",
+                 "reports")
 
 
 @dataclass
@@ -59,13 +77,14 @@ class Options:
     reps: int
     quick: bool
     world_sizes: list[int]
+    match: str = ""
 
 
 @dataclass
 class Context:
     """What one section measures and a later one reuses."""
 
-    default_epoch_s: float | None = None
+    default_epochs_s: list[float] = field(default_factory=list)
     default_epoch_source: str = ""
 
 
@@ -158,20 +177,22 @@ def repo_files() -> list[str]:
 
 def repo_copy(prepared: Path, params: dict[str, object] | None = None) -> Path:
     """The repository's files in a temp dir with ``git init``, data/raw and ``prepared`` copied in
-    as data/raw and data/prepared (real directories, so DVC hashes them as usual), and ``params``
-    (dotted keys) set in its params.yaml."""
+    as data/raw and data/prepared (real directories, so DVC hashes them as usual), ``params``
+    (dotted keys) set in its params.yaml, and no train/evaluate outputs (no checkpoint to resume)."""
     copy = temp_dir("repo-")
     for rel in repo_files():
         (copy / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / rel, copy / rel)
     subprocess.run(["git", "init", "-q"], cwd=copy, check=True)
+    cfg = OmegaConf.load(copy / "params.yaml")
+    for key, value in (params or {}).items():
+        OmegaConf.update(cfg, key, value)
+    OmegaConf.save(cfg, copy / "params.yaml")
+    for key in TRAIN_OUTPUTS:
+        out = copy / str(OmegaConf.select(cfg, f"paths.{key}"))
+        remove(out) if out.is_dir() else out.unlink(missing_ok=True)
     shutil.copytree(REPO / "data" / "raw", copy / "data" / "raw")
     shutil.copytree(prepared, copy / "data" / "prepared")
-    if params:
-        cfg = OmegaConf.load(copy / "params.yaml")
-        for key, value in params.items():
-            OmegaConf.update(cfg, key, value)
-        OmegaConf.save(cfg, copy / "params.yaml")
     return copy
 
 
@@ -203,7 +224,7 @@ def section_a(opts: Options, ctx: Context) -> Section:
             Variant(ref, lambda w=w: reference(w, ref_args)),
             Variant(f"ddpipe W={w}", lambda w=w: ddpipe_train(w, prepared, seed), ref),
             Variant(f"ddpipe fp32, no channels_last W={w}", lambda w=w: ddpipe_train(
-                w, prepared, [*seed, "train.precision=fp32", "train.channels_last=off"]), ref),
+                w, prepared, [*seed, "train.precision=fp32", CHANNELS_LAST_OFF]), ref),
             Variant(f"lightning fp32 W={w}", lambda w=w: lightning(
                 w, [f"--prepared={prepared}", f"--epochs={epochs}", "--batch-size=128"]), ref),
         ]
@@ -227,7 +248,7 @@ def section_b(opts: Options, ctx: Context) -> Section:
         finally:
             remove(copy)
         epoch_s = sorted(h["epoch_seconds"] for h in history)[len(history) // 2]
-        ctx.default_epoch_s = epoch_s
+        ctx.default_epochs_s.append(epoch_s)
         ctx.default_epoch_source = "section b (median epoch of the default training)"
         return {"wall_s": train.seconds + evaluate.seconds, "train_s": train.seconds,
                 "evaluate_s": evaluate.seconds, "test_accuracy": acc, "epoch_s": epoch_s,
@@ -236,8 +257,9 @@ def section_b(opts: Options, ctx: Context) -> Section:
     ref_args = ["--quick"] if opts.quick else ["--epochs=5"]
     notes = ["ddpipe: `train` then `evaluate` commands of dvc.yaml in a fresh temp copy (params.yaml as it is"
              + (", num_epochs=1 on 1,024 samples" if opts.quick else "") + "), wall seconds of both",
-             "reference: torchrun, 2 processes, " + ("--quick" if opts.quick else "5 epochs")
-             + ", full official train split, test accuracy on the official test split"]
+             "reference: torchrun, 2 processes, " + ("--quick (1 epoch, 1,024 samples, 1,000 test images)"
+                                                      if opts.quick else "5 epochs, the official train split")
+             + "; test accuracy on the official test split"]
     return Section("b", "Time to accuracy", [
         Variant("reference W=2", lambda: reference(2, ref_args)),
         Variant("ddpipe dvc train+evaluate (defaults)", ddpipe_pipeline, "reference W=2"),
@@ -261,6 +283,11 @@ def section_c(opts: Options, ctx: Context) -> Section:
     ], [f"ddpipe defaults (model, precision auto), {n} samples, {epochs} epoch(s), global batch 256"])
 
 
+def wall(metrics: Metrics) -> Metrics:
+    """Only the wall seconds (one step's images/s says nothing)."""
+    return {"wall_s": metrics["wall_s"]}
+
+
 def section_d(opts: Options, ctx: Context) -> Section:
     prepared = ensure_prepared(256, "prepared-256")
     tiny = ["num_epochs=1"]
@@ -276,17 +303,18 @@ def section_d(opts: Options, ctx: Context) -> Section:
             run_timed("dvc repro -q", cwd=copy, env=copy_env(copy))
             completed["copy"] = copy
         done = run_timed("dvc repro", cwd=completed["copy"], env=copy_env(completed["copy"]))
-        if "Running stage" in done.stdout:
-            raise BenchError(f"dvc repro was not a no-op:\n{done.stdout[-2000:]}")
+        out = done.stdout + done.stderr
+        if "Running stage" in out or "didn't change, skipping" not in out:
+            raise BenchError(f"dvc repro was not a no-op:\n{out[-2000:]}")
         return {"wall_s": done.seconds}
 
     return Section("d", "Start-up", [
         Variant("python -c 'import torch'", lambda: import_time("torch")),
         Variant("python -c 'import ddpipe.training'", lambda: import_time("ddpipe.training")),
-        Variant("python stages/train.py", lambda: ddpipe_train(None, prepared, tiny)),
+        Variant("python stages/train.py", lambda: wall(ddpipe_train(None, prepared, tiny))),
         Variant("python stages/train.py mlflow.log_model=false",
-                lambda: ddpipe_train(None, prepared, [*tiny, "mlflow.log_model=false"])),
-        Variant("torchrun --nproc-per-node=1 stages/train.py", lambda: ddpipe_train(1, prepared, tiny)),
+                lambda: wall(ddpipe_train(None, prepared, [*tiny, "mlflow.log_model=false"]))),
+        Variant("torchrun --nproc-per-node=1 stages/train.py", lambda: wall(ddpipe_train(1, prepared, tiny))),
         Variant("dvc repro, no-op (temp copy)", noop_repro),
     ], ["train stage: 256 training samples, 1 epoch (one optimizer step at the default batch of 256), "
         "validation over the 6,000-image val split, checkpoint, history, model and MLflow included; "
@@ -297,38 +325,40 @@ def section_d(opts: Options, ctx: Context) -> Section:
 
 def default_epoch_seconds(opts: Options, ctx: Context) -> float:
     """Section b's default epoch if it ran; else one default epoch on a subset, scaled to the split."""
-    if ctx.default_epoch_s is None:
+    if not ctx.default_epochs_s:
         n = 1024 if opts.quick else 12800
         prepared = ensure_prepared(n, "prepared-1k" if opts.quick else "prepared-12k")
         r = ddpipe_train(None, prepared, ["num_epochs=1", "mlflow.log_model=false"])
         full = json.loads((REPO / "data" / "prepared" / "meta.json").read_text())["sizes"]["train"]
-        ctx.default_epoch_s = full / r["images_per_s"]
+        ctx.default_epochs_s.append(full / r["images_per_s"])
         ctx.default_epoch_source = (f"one default epoch on {n} samples ({r['images_per_s']:.0f} images/s) "
                                     f"scaled to {full} samples")
-    return ctx.default_epoch_s
+    return summary(ctx.default_epochs_s)[0]
 
 
 def section_e(opts: Options, ctx: Context) -> Section:
     num_epochs = OmegaConf.load(REPO / "params.yaml").num_epochs
+    notes = [f"training = num_epochs ({num_epochs}) x the default epoch (default_epoch_s); once per run = "
+             "import mlflow + start (existing store) + log_model + finish",
+             "start_new_store_s (a new mlflow.db: schema creation) is not in the shares: a "
+             "repository's store exists after its first run"]
 
     def tracker_calls() -> Metrics:
         epoch_s = default_epoch_seconds(opts, ctx)
+        source = f"default epoch from {ctx.default_epoch_source}"
+        if source not in notes:
+            notes.append(source)
         r = script_json("tracking_overhead.py", ["--quick"] if opts.quick else [])
         training_s = num_epochs * epoch_s
-        once = r["start_s"] + r["log_model_s"] + r["finish_s"]
+        once = r["import_mlflow_s"] + r["start_s"] + r["log_model_s"] + r["finish_s"]
+        every_epoch = num_epochs * r["log_metrics_per_epoch_s"]
         return {**{k: v for k, v in r.items() if k.endswith("_s")},
                 "default_epoch_s": epoch_s,
                 "log_metrics_pct_of_epoch": 100 * r["log_metrics_per_epoch_s"] / epoch_s,
-                "start_log_model_finish_pct_of_training": 100 * once / training_s,
-                "all_tracking_pct_of_training": 100 * (once + r["epochs"] * r["log_metrics_per_epoch_s"])
-                / training_s}
+                "once_per_run_pct_of_training": 100 * once / training_s,
+                "all_tracking_pct_of_training": 100 * (once + every_epoch) / training_s}
 
-    section = Section("e", "Tracking overhead", [Variant("MlflowTracker, local sqlite", tracker_calls)])
-    section.notes = [f"training = num_epochs ({num_epochs}) x the default epoch; the epoch time comes "
-                     "from section b when it ran, else from one measured epoch (see default_epoch_s)",
-                     "start_new_store_s (a new mlflow.db: schema creation) is not in the shares: a "
-                     "repository's store exists after its first run"]
-    return section
+    return Section("e", "Tracking overhead", [Variant("MlflowTracker, local sqlite", tracker_calls)], notes)
 
 
 def section_f(opts: Options, ctx: Context) -> Section:
@@ -356,13 +386,13 @@ SECTIONS: dict[str, Callable[[Options, Context], Section]] = {
 # Repetitions and reporting
 
 
-def run_section(section: Section, reps: int) -> tuple[dict[str, dict[str, list[float]]], dict[str, str]]:
+def run_section(section: Section, reps: int, match: str = "") -> tuple[Values, dict[str, str]]:
     """Interleaved repetitions: values[variant][metric] and the first error of each failed variant."""
-    values: dict[str, dict[str, list[float]]] = {v.name: defaultdict(list) for v in section.variants}
+    values: Values = {v.name: defaultdict(list) for v in section.variants if match.lower() in v.name.lower()}
     errors: dict[str, str] = {}
     for rep in range(reps):
         for v in section.variants:
-            if v.name in errors:
+            if v.name in errors or v.name not in values:
                 continue
             try:
                 metrics = v.run()
@@ -377,10 +407,10 @@ def run_section(section: Section, reps: int) -> tuple[dict[str, dict[str, list[f
     return values, errors
 
 
-def summarise(section: Section, values: dict[str, dict[str, list[float]]], opts: Options) -> list[dict]:
+def summarise(section: Section, values: Values, opts: Options) -> list[dict]:
     rows = []
     for v in section.variants:
-        for metric, xs in values[v.name].items():
+        for metric, xs in values.get(v.name, {}).items():
             med, lo, hi = summary(xs)
             base = values.get(v.baseline or "", {}).get(metric)
             ratio = med / summary(base)[0] if base and summary(base)[0] else None
@@ -411,6 +441,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Options, list[str]]:
     p.add_argument("--quick", action="store_true", help="tiny settings, seconds per run")
     p.add_argument("--only", default=",".join(SECTIONS), help="sections, e.g. a or a,c (default: all)")
     p.add_argument("--world-sizes", default=None, help="section a (default 1,2; --quick: 1)")
+    p.add_argument("--match", default="", help="only the variants whose name contains this text")
     args = p.parse_args(argv)
     keys = [k.strip() for k in args.only.split(",") if k.strip()]
     unknown = [k for k in keys if k not in SECTIONS]
@@ -418,7 +449,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Options, list[str]]:
         p.error(f"--only: unknown section(s) {unknown}; accepted: {', '.join(SECTIONS)}")
     sizes = args.world_sizes or ("1" if args.quick else "1,2")
     reps = args.reps or (1 if args.quick else 3)
-    return Options(reps, args.quick, [int(w) for w in sizes.split(",")]), keys
+    return Options(reps, args.quick, [int(w) for w in sizes.split(",")], args.match), keys
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -427,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in keys:
         section = SECTIONS[key](opts, ctx)
         try:
-            values, errors = run_section(section, opts.reps)
+            values, errors = run_section(section, opts.reps, opts.match)
         finally:
             if section.cleanup:
                 section.cleanup()
@@ -436,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         append_jsonl("run_all", rows + [{"bench": "run_all", "section": key, "variant": name,
                                          "error": err, "quick": opts.quick} for name, err in errors.items()])
         failed = failed or bool(errors)
-    remove(REPO / "bench" / "results" / "tmp")
+    with contextlib.suppress(OSError):
+        (REPO / "bench" / "results" / "tmp").rmdir()  # only when empty: another run may be using it
     return 1 if failed else 0
 
 

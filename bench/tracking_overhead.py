@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
 from common import REPO, append_jsonl, markdown_table, remove, temp_dir, write_json
+
 from ddpipe.config import Config, load_config
 from ddpipe.distributed import DistInfo
 from ddpipe.models import build_model
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown_table(["call", "seconds"], list(result.items())))
     print(f"\n{epochs} epochs x {n_metrics} metrics; model {cfg.model.name} width {cfg.model.width}")
     record = {"bench": "tracking_overhead", "epochs": epochs, "metrics_per_epoch": n_metrics,
-              "model": dataclasses.asdict(cfg.model), **result}
+              "model": dataclasses.asdict(cfg.model), "quick": args.quick, **result}
     append_jsonl("tracking_overhead", [record])
     write_json(args.json_out, record)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import os
 import pickle
+import shutil
 import socket
 import struct
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from ddpipe.config import Config, load_config
 
@@ -118,6 +120,43 @@ def accept_test_checksums(monkeypatch: pytest.MonkeyPatch):
     return accept
 
 
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Generated MNIST-format data (1,200 train images), fetched and prepared once per session."""
+    from ddpipe import sources
+    from ddpipe.config import DataConfig
+    from ddpipe.data import prepare
+    from ddpipe.sources import fetch
+
+    base = tmp_path_factory.mktemp("data")
+    src = make_mnist_like(base / "src", n_train=1200, n_test=200)
+    saved = sources.CHECKSUMS["mnist"]
+    sources.CHECKSUMS["mnist"] = {p.name: (sources.md5sum(p),) for p in src.iterdir()}
+    try:
+        cfg = DataConfig(dataset="mnist", source_dir=str(src), val_fraction=0.125)
+        fetch(cfg, base / "raw")
+        prepare(cfg, 0, base / "raw", base / "prepared")
+    finally:
+        sources.CHECKSUMS["mnist"] = saved
+    return base / "prepared"
+
+
+def args_for(tmp: Path, prepared: Path, *extra: str) -> list[str]:
+    return [*tiny_overrides(tmp), f"paths.prepared={prepared}", "train.hflip=false", *extra]
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)["state_dict"]
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """||a - b|| / ||a|| over all floating-point tensors of two state dicts taken together."""
+    keys = [k for k, v in a.items() if v.is_floating_point()]
+    num = sum(((a[k].double() - b[k].double()) ** 2).sum() for k in keys)
+    den = sum((a[k].double() ** 2).sum() for k in keys)
+    return float((num / den).sqrt())
+
+
 # ---------------------------------------------------------------------------------------------
 # Running things
 
@@ -138,6 +177,54 @@ def run(cmd: list[str] | str, cwd: Path = ROOT, env: dict | None = None, timeout
 def torchrun(nproc: int, *args: str, extra: tuple[str, ...] = ()) -> list[str]:
     return [str(VENV_BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", *extra,
             str(ROOT / "stages" / "train.py"), *args]
+
+
+GIT_ENV = {"GIT_AUTHOR_NAME": "ddpipe tests", "GIT_AUTHOR_EMAIL": "tests@ddpipe.invalid",
+           "GIT_COMMITTER_NAME": "ddpipe tests", "GIT_COMMITTER_EMAIL": "tests@ddpipe.invalid"}
+CLONE_PARAMS = {"data.max_train_samples": 1024, "model.width": 8, "num_epochs": 2,
+                "train.batch_size_per_rank": 64, "train.progress_bar": False}
+
+
+def clone_repo(dest: Path, params: dict | None = None) -> Path:
+    """What a clone of this repo holds (tracked and unignored files) as a fresh git repo, with
+    ``params`` (dotted keys) written into its params.yaml and committed."""
+    from omegaconf import OmegaConf
+
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for f in files:
+        if (ROOT / f).is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, dest / f)
+    if params:
+        cfg = OmegaConf.load(dest / "params.yaml")
+        for key, value in params.items():
+            OmegaConf.update(cfg, key, value)
+        OmegaConf.save(cfg, dest / "params.yaml")
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "clone"]):
+        run(cmd, cwd=dest, env=GIT_ENV)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def reproduced_clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny-params clone on which `dvc repro` ran and whose dvc.lock is committed (copy it before
+    changing it: see ``repro_clone``)."""
+    if not FASHION_DIR.is_dir():
+        pytest.skip("Debian's dataset-fashion-mnist is not installed")
+    repo = clone_repo(tmp_path_factory.mktemp("reproduced") / "repo", CLONE_PARAMS)
+    run(["dvc", "repro"], cwd=repo, env={**GIT_ENV, "MLFLOW_TRACKING_URI": ""}, timeout=900)
+    run(["git", "add", "-A"], cwd=repo, env=GIT_ENV)
+    run(["git", "commit", "-qm", "reproduced"], cwd=repo, env=GIT_ENV)
+    return repo
+
+
+@pytest.fixture
+def repro_clone(reproduced_clone: Path, tmp_path: Path) -> Path:
+    """A private copy of ``reproduced_clone`` (DVC cache included) for one test to change."""
+    dest = tmp_path / "repo"
+    shutil.copytree(reproduced_clone, dest, symlinks=True)
+    return dest
 
 
 def _spawn_entry(rank: int, world_size: int, port: int, fn, args) -> None:

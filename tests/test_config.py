@@ -69,6 +69,8 @@ def test_string_numbers_are_accepted() -> None:
     assert cfg.num_epochs == 20 and cfg.train.base_lr == 0.003 and cfg.data.max_train_samples is None
     assert cfg.distributed.nproc_per_node == "4" and cfg.train.hflip is False
     assert load_config(['num_epochs="20"'], params_file=None).num_epochs == 20
+    assert load_config(["train.channels_last=off"], params_file=None).train.channels_last == "off"
+    assert load_config(["train.channels_last=on"], params_file=None).train.channels_last == "on"
 
 
 @pytest.mark.parametrize("override, key, accepted", [

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import time
 import urllib.request
@@ -15,11 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from ddpipe.config import Config, MlflowConfig
+from ddpipe.config import Config, MlflowConfig, load_config
 from ddpipe.distributed import DistInfo
 from ddpipe.tracking import MlflowTracker, NullTracker, make_tracker, tracking_uri
-from tests.conftest import FASHION_DIR, ROOT, VENV_BIN, free_port, run
-from tests.test_training import args_for, prepared  # noqa: F401  (module fixture)
+from tests.conftest import CLONE_PARAMS, FASHION_DIR, GIT_ENV, PARAMS, VENV_BIN, args_for, clone_repo, free_port, run
 
 
 def _client(uri: str):
@@ -45,7 +43,7 @@ def test_tracking_uri_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 
 
 @pytest.mark.slow
-def test_training_and_evaluation_make_one_complete_run(tmp_path: Path, prepared: Path) -> None:  # noqa: F811
+def test_training_and_evaluation_make_one_complete_run(tmp_path: Path, prepared: Path) -> None:
     args = args_for(tmp_path, prepared, "mlflow.experiment_name=unit")
     run(["python", "stages/train.py", *args], env={"DVC_EXP_NAME": "my-exp"})
     run(["python", "stages/evaluate.py", *args])
@@ -56,7 +54,8 @@ def test_training_and_evaluation_make_one_complete_run(tmp_path: Path, prepared:
     assert len(runs) == 1
     r = runs[0]
     assert r.info.run_name == "my-exp" and r.info.status == "FINISHED"
-    assert r.data.params["num_epochs"] == "2" and r.data.params["train.base_lr"] == "0.002"
+    cfg = load_config(args, params_file=PARAMS)
+    assert r.data.params["num_epochs"] == "2" and r.data.params["train.base_lr"] == str(cfg.train.base_lr)
     assert r.data.params["world_size"] == "1" and "effective_lr" in r.data.params
     for tag in ("git_commit", "git_dirty", "world_size", "backend", "device_type", "torch_version", "host"):
         assert tag in r.data.tags, tag
@@ -88,7 +87,7 @@ def _wait_for(url: str, seconds: float) -> None:
 
 
 @pytest.mark.slow
-def test_real_mlflow_server(tmp_path: Path, prepared: Path) -> None:  # noqa: F811
+def test_real_mlflow_server(tmp_path: Path, prepared: Path) -> None:
     port = free_port()
     server = subprocess.Popen(
         [str(VENV_BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
@@ -108,7 +107,7 @@ def test_real_mlflow_server(tmp_path: Path, prepared: Path) -> None:  # noqa: F8
 
 
 @pytest.mark.slow
-def test_tracking_server_down_costs_bounded_time_and_training_completes(tmp_path: Path, prepared: Path) -> None:  # noqa: F811
+def test_tracking_server_down_costs_bounded_time_and_training_completes(tmp_path: Path, prepared: Path) -> None:
     result = run(["python", "stages/train.py", *args_for(tmp_path, prepared, "num_epochs=1")],
                  env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}, timeout=300)
     assert "MLflow tracking at http://127.0.0.1:9 failed" in result.stderr
@@ -129,32 +128,11 @@ def test_tracker_failure_is_contained(monkeypatch: pytest.MonkeyPatch) -> None:
 # ---------------------------------------------------------------------------------------------
 # DVC experiments in a temporary clone
 
-EXP_PARAMS = ["-S", "data.max_train_samples=1024", "-S", "model.width=8", "-S", "num_epochs=2",
-              "-S", "train.batch_size_per_rank=64", "-S", "train.progress_bar=false"]
+EXP_PARAMS = [arg for key, value in CLONE_PARAMS.items() for arg in ("-S", f"{key}={str(value).lower()}")]
 
 
-@pytest.fixture(scope="module")
-def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The repository as committed files in a fresh git repo (what a clone holds)."""
-    if not FASHION_DIR.is_dir():
-        pytest.skip("Debian's dataset-fashion-mnist is not installed")
-    repo = tmp_path_factory.mktemp("clone") / "repo"
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
-                           text=True, check=True).stdout.split()
-    for f in files:
-        if (ROOT / f).is_file():
-            (repo / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / f, repo / f)
-    git_env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-               "GIT_COMMITTER_EMAIL": "t@t"}
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "clone"]):
-        run(cmd, cwd=repo, env=git_env)
-    return repo
-
-
-def _git_env() -> dict:
-    return {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-            "GIT_COMMITTER_EMAIL": "t@t", "MLFLOW_TRACKING_URI": ""}
+def _env() -> dict:
+    return {**GIT_ENV, "MLFLOW_TRACKING_URI": ""}
 
 
 def _runs_by_name(repo: Path) -> dict:
@@ -164,9 +142,13 @@ def _runs_by_name(repo: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_dvc_exp_run_is_one_named_mlflow_run(clone: Path) -> None:
-    env = {k: v for k, v in _git_env().items() if k != "MLFLOW_TRACKING_URI"}
-    os.environ.pop("MLFLOW_TRACKING_URI", None)
+def test_dvc_exp_run_is_one_named_mlflow_run(tmp_path: Path) -> None:
+    """In a fresh clone: `dvc exp run -n NAME -S num_epochs=2 ...` is exactly one MLflow run NAME in
+    <repo>/mlflow.db, with params, per-epoch metrics, test metrics, a git tag and a loadable model."""
+    if not FASHION_DIR.is_dir():
+        pytest.skip("Debian's dataset-fashion-mnist is not installed")
+    clone = clone_repo(tmp_path / "repo")
+    env = _env()
     run(["dvc", "exp", "run", "-n", "tiny-exp", *EXP_PARAMS], cwd=clone, env=env, timeout=900)
     runs = _runs_by_name(clone)
     assert list(runs) == ["tiny-exp"]
@@ -187,16 +169,11 @@ def test_dvc_exp_run_is_one_named_mlflow_run(clone: Path) -> None:
 
 
 @pytest.mark.slow
-def test_two_queued_experiments_run_in_parallel(clone: Path) -> None:
-    env = {k: v for k, v in _git_env().items() if k != "MLFLOW_TRACKING_URI"}
-    os.environ.pop("MLFLOW_TRACKING_URI", None)
-    if not (clone / "dvc.lock").exists():  # queued runs see only what git tracks: commit the lock
-        run(["dvc", "exp", "run", *EXP_PARAMS], cwd=clone, env=env, timeout=900)
-    run(["git", "add", "-A"], cwd=clone, env=env)
-    run(["git", "commit", "-qm", "baseline", "--allow-empty"], cwd=clone, env=env)
+def test_two_queued_experiments_run_in_parallel(repro_clone: Path) -> None:
+    """Queued runs see only what git tracks, so they start from a clone whose dvc.lock is committed."""
+    clone, env = repro_clone, _env()
     for seed in (1, 2):
-        run(["dvc", "exp", "run", "--queue", "-n", f"seed-{seed}", "-S", f"seed={seed}", *EXP_PARAMS],
-            cwd=clone, env=env)
+        run(["dvc", "exp", "run", "--queue", "-n", f"seed-{seed}", "-S", f"seed={seed}"], cwd=clone, env=env)
     run(["dvc", "queue", "start", "-j", "2"], cwd=clone, env=env)
     deadline = time.time() + 900
     while time.time() < deadline:

@@ -284,7 +284,7 @@ def _coerce(key: str, value: Any, spec: tuple[Any, dict], source: str) -> Any:
         shown = "null" if value is None else repr(value)
         return ConfigError(f"{source}: {key} = {shown} is not accepted; expected {_describe(tp, meta)}")
 
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("null", "none", "~")):
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("null", "~")):
         if optional:
             return None
         raise bad()
@@ -319,6 +319,8 @@ def _coerce(key: str, value: Any, spec: tuple[Any, dict], source: str) -> Any:
             return text
         if isinstance(value, (dict, list)):
             raise bad()
+        if isinstance(value, bool) and "on" in meta.get("choices", ()):
+            return "on" if value else "off"  # YAML 1.1 reads a bare on/off as a boolean
         return str(value)
     raise AssertionError(f"unsupported schema type for {key}: {tp}")
 

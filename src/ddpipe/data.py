@@ -14,6 +14,7 @@ sample, nor on the world size.
 from __future__ import annotations
 
 import json
+import pickle
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,8 +152,12 @@ class InMemoryDataset(Dataset):
         path = Path(prepared_dir) / f"{split}.pt"
         if not path.is_file():
             raise PreparedDataError(f"{path}: missing; run the prepare stage first (dvc repro prepare)")
-        data = torch.load(path, weights_only=True)
-        return cls(data["images"], data["labels"])
+        try:
+            data = torch.load(path, weights_only=True)
+            return cls(data["images"], data["labels"])
+        except (RuntimeError, OSError, EOFError, KeyError, TypeError, pickle.UnpicklingError) as exc:
+            raise PreparedDataError(f"{path}: cannot be loaded ({type(exc).__name__}: {exc}); run the "
+                                    "prepare stage again (dvc repro --force prepare)") from exc
 
     def __len__(self) -> int:
         return len(self.labels)

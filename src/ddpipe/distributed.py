@@ -59,6 +59,20 @@ def resolve_nproc(cfg: DistributedConfig) -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
+def _attempt_store(rank: int, world_size: int, timeout_s: int) -> dist.Store:
+    """torchrun's rendezvous store, with keys private to this restart attempt.
+
+    After torchrun restarts a worker group (``--max-restarts``), the new workers could read the
+    gloo addresses that the dead attempt left in the store and fail with "connectFullMesh ...
+    Connection refused" (seen here with torch 2.14, intermittently). A prefix per
+    TORCHELASTIC_RESTART_COUNT keeps each attempt's keys apart.
+    """
+    from torch.distributed.rendezvous import rendezvous
+
+    store, _, _ = next(rendezvous("env://", rank, world_size, timeout=datetime.timedelta(seconds=timeout_s)))
+    return dist.PrefixStore(f"ddpipe/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_distributed(cfg: DistributedConfig) -> DistInfo:
     """Bind this process to its device, set its CPU threads, and join the process group if launched
     by torchrun. Each rank takes its device from LOCAL_RANK."""
@@ -79,11 +93,40 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
         if backend == "nccl" and device.type != "cuda":
             raise ValueError("distributed.backend = 'nccl' needs CUDA GPUs; accepted here: auto or gloo")
         dist.init_process_group(
-            backend=backend, timeout=datetime.timedelta(seconds=cfg.timeout_s),
+            backend=backend, store=_attempt_store(rank, world_size, cfg.timeout_s), rank=rank,
+            world_size=world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
     num_nodes = max(1, world_size // max(1, local_world_size))
     return DistInfo(under_launcher, rank, local_rank, world_size, local_world_size, num_nodes, device, backend)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective outlived ``distributed.timeout_s``: some rank stopped answering."""
+
+
+def is_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def explain_timeout(exc: BaseException, info: DistInfo, timeout_s: int) -> CollectiveTimeout:
+    """Name the ranks that stopped answering: after the timeout every healthy rank meets at a gloo
+    monitored barrier, which reports the ranks that never arrive (best effort: on NCCL, or if the
+    group is already broken, the message names this rank and the bound only)."""
+    missing = ""
+    if info.backend == "gloo":
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=max(5, timeout_s // 2)),
+                                   wait_all_ranks=True)
+        except Exception as probe:  # the barrier's own error names the missing ranks
+            found = [line for line in str(probe).splitlines() if "failed to pass" in line]
+            missing = f" {found[0].strip()}." if found else ""
+    return CollectiveTimeout(
+        f"rank {info.rank}/{info.world_size} (node {os.uname().nodename}, local rank {info.local_rank}): a "
+        f"collective did not complete within distributed.timeout_s = {timeout_s} s, so another rank stopped "
+        f"answering (hung, stopped, or its node is unreachable).{missing} Cause: {str(exc).splitlines()[0][:300]}"
+    )
 
 
 def cleanup() -> None:
@@ -191,8 +234,7 @@ class CPUSyncBatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {x.dim()}D input)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.training and dist.is_available() and dist.is_initialized()
-                and dist.get_world_size() > 1):
+        if not (self.training and dist.is_available() and dist.is_initialized()):
             return super().forward(x)
         assert self.affine, "ddpipe's models use affine BatchNorm"
         with torch.autocast(x.device.type, enabled=False):

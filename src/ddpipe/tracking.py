@@ -43,8 +43,12 @@ def repo_root() -> Path:
     return here
 
 
+def default_store() -> str:
+    return f"sqlite:///{repo_root() / 'mlflow.db'}"
+
+
 def tracking_uri(cfg: MlflowConfig) -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking_uri or f"sqlite:///{repo_root() / 'mlflow.db'}"
+    return os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking_uri or default_store()
 
 
 def run_name(cfg: Config) -> str:
@@ -120,8 +124,7 @@ class MlflowTracker(NullTracker):
         if exp is not None:
             return exp.experiment_id
         location = None
-        if self.uri.startswith("sqlite:///") and "MLFLOW_TRACKING_URI" not in os.environ \
-                and not self.cfg.tracking_uri:
+        if self.uri == default_store():
             # Artifacts beside mlflow.db, not under the (possibly temporary) working directory.
             location = (repo_root() / "mlartifacts").as_uri()
         try:

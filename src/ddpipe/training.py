@@ -459,5 +459,9 @@ def train(cfg: Config) -> dict[str, float]:
     info = dd.init_distributed(cfg.distributed)
     try:
         return Trainer(cfg, info).fit()
+    except RuntimeError as exc:  # DistBackendError is one; fail within the bound, naming ranks
+        if info.distributed and dd.is_timeout(exc):
+            raise dd.explain_timeout(exc, info, cfg.distributed.timeout_s) from exc
+        raise
     finally:
         dd.cleanup()

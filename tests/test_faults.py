@@ -1,0 +1,168 @@
+"""The fault suite: multi-node on one machine, hangs, failing workers, interrupted pipelines,
+invalid parameters and hostile checkpoints. Each scenario asserts its outcome (RELIABILITY.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import GIT_ENV, ROOT, VENV_BIN, args_for, free_port, max_rel_diff, run, torchrun, weights
+
+
+def _env() -> dict:
+    return {**os.environ, **GIT_ENV, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
+            "MLFLOW_TRACKING_URI": "", "PYTHONUNBUFFERED": "1"}
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _wait_for_checkpoint(directory: Path, proc: subprocess.Popen, seconds: float = 300) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline and proc.poll() is None:
+        if directory.exists() and list(directory.glob("ckpt-*.pt")):
+            return
+        time.sleep(0.05)
+    raise AssertionError("no checkpoint appeared while the run was alive")
+
+
+@pytest.mark.slow
+def test_two_torchrun_agents_on_one_machine_match_one_agent_with_two_processes(tmp_path: Path,
+                                                                                 prepared: Path) -> None:
+    """--nnodes=2 --nproc-per-node=1 with a c10d rendezvous on 127.0.0.1 == one agent, 2 processes.
+    One thread per process in both, so that the arithmetic (not only the algorithm) is the same."""
+    common = ["num_epochs=1", "distributed.threads_per_process=1"]
+    run(torchrun(2, *args_for(tmp_path / "single", prepared, *common)))
+    port = free_port()
+    agents = [subprocess.Popen(
+        [str(VENV_BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+         f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=fault-suite", str(ROOT / "stages" / "train.py"),
+         *args_for(tmp_path / "multi", prepared, *common)],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    for agent in agents:
+        out, _ = agent.communicate(timeout=600)
+        assert agent.returncode == 0, out[-4000:]
+    assert max_rel_diff(weights(tmp_path / "single" / "model.pt"), weights(tmp_path / "multi" / "model.pt")) < 1e-4
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_answering_fails_the_job_within_the_timeout(tmp_path: Path, prepared: Path) -> None:
+    timeout_s = 10
+    proc = subprocess.Popen(
+        torchrun(2, *args_for(tmp_path, prepared, "num_epochs=50", f"distributed.timeout_s={timeout_s}")),
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for_checkpoint(tmp_path / "ckpt", proc)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    stopped = int(sorted(workers, key=int)[-1])
+    os.kill(stopped, signal.SIGSTOP)  # alive but silent: the worst kind of failure
+    started = time.time()
+    try:
+        out, _ = proc.communicate(timeout=timeout_s * 12)
+    finally:
+        try:
+            os.kill(stopped, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode != 0
+    assert time.time() - started < timeout_s * 12
+    assert f"did not complete within distributed.timeout_s = {timeout_s} s" in out, out[-4000:]
+    assert "rank 0/2" in out
+
+
+@pytest.mark.slow
+def test_a_worker_that_always_fails_gives_up_after_max_restarts(repro_clone: Path) -> None:
+    """torchrun restarts the group max_restarts times, then exits non-zero naming rank and cause;
+    dvc repro fails and dvc.lock is unchanged."""
+    params = repro_clone / "params.yaml"
+    params.write_text(params.read_text().replace("max_restarts: 0", "max_restarts: 1"))
+    lock = _digest(repro_clone / "dvc.lock")
+    train = repro_clone / "data" / "prepared" / "train.pt"
+    train.unlink()  # a DVC-cached file is read-only and linked: replace it, never write through it
+    train.write_bytes(b"this is not a tensor file")
+    result = run(["dvc", "repro", "--single-item", "train"], cwd=repro_clone, env=_env(), check=False, timeout=600)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    # torchrun restarted the group once (attempt_1), then gave up, naming the rank and the cause
+    assert "attempt_1" in out and "attempt_2" not in out
+    assert out.count("[rank0]: ddpipe.data.PreparedDataError: data/prepared/train.pt: cannot be loaded") == 2
+    assert "Root Cause" in out and "rank      : 0" in out
+    assert _digest(repro_clone / "dvc.lock") == lock
+
+
+@pytest.mark.slow
+def test_sigint_during_dvc_repro_then_repro_resumes(repro_clone: Path) -> None:
+    params = repro_clone / "params.yaml"
+    params.write_text(params.read_text().replace("num_epochs: 2", "num_epochs: 6"))
+    proc = subprocess.Popen(["dvc", "repro"], cwd=repro_clone, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    checkpoints = repro_clone / "checkpoints"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if any("-e0003-" in p.name for p in checkpoints.glob("ckpt-*.pt")):
+            break
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends to the whole foreground group
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, out[-3000:]
+    again = run(["dvc", "repro"], cwd=repro_clone, env=_env(), timeout=600)
+    assert "resuming from checkpoints at epoch" in again.stdout + again.stderr
+    assert "Running stage 'evaluate'" in again.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("old, bad", [
+    ("num_epochs: 2", "num_epochs: abc"), ("num_epochs: 2", "num_epochs: -3"), ("num_epochs: 2", "num_epochs: 2.5"),
+    ("  optimizer: adamw", "  optimizer: adamw\n  no_such_key: 1"), ("  base_lr: 0.003", "  base_lr: 0"),
+])
+def test_invalid_params_fail_before_torchrun_and_overwrite_nothing(repro_clone: Path, old: str, bad: str) -> None:
+    params = repro_clone / "params.yaml"
+    assert old in params.read_text()
+    params.write_text(params.read_text().replace(old, bad))
+    before = {p: _digest(repro_clone / p) for p in ("dvc.lock", "data/prepared/train.pt", "metrics/test.json")}
+    model = repro_clone / "models" / "model.pt"
+    model_digest = _digest(model)
+    result = run(["dvc", "repro"], cwd=repro_clone, env=_env(), check=False, timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert bad.split(":")[0].strip() in out or "no_such_key" in out
+    assert "torch.distributed.run" not in out and "OMP_NUM_THREADS" not in out  # torchrun never started
+    assert {p: _digest(repro_clone / p) for p in before} == before
+    assert not model.exists() or _digest(model) == model_digest
+
+
+@pytest.mark.slow
+def test_dvc_exp_run_with_a_bad_value_fails(repro_clone: Path) -> None:
+    result = run(["dvc", "exp", "run", "-S", "num_epochs=abc"], cwd=repro_clone, env=_env(), check=False, timeout=300)
+    assert result.returncode != 0
+    assert "num_epochs = 'abc' is not accepted" in result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_pickle_payload_in_the_checkpoint_directory_never_runs(tmp_path: Path, prepared: Path) -> None:
+    """The newest checkpoint is replaced by a pickle payload: training refuses it, falls back to the
+    previous checkpoint, completes, and the payload's code never runs."""
+    args = args_for(tmp_path, prepared, "num_epochs=2", "train.keep_checkpoints=2")
+    run(["python", "stages/train.py", *args])
+    newest = sorted((tmp_path / "ckpt").glob("ckpt-*.pt"))[-1]
+    marker = tmp_path / "payload-ran"
+    payload = tmp_path / "payload.py"
+    payload.write_text(
+        "import os, pickle, sys, torch\n"
+        "class P:\n"
+        "    def __reduce__(self):\n"
+        f"        return (os.system, ('touch {marker}',))\n"
+        "torch.save({'fingerprint': sys.argv[2], 'model': P()}, sys.argv[1])\n")
+    fingerprint = newest.name.split("-")[1]
+    run(["python", str(payload), str(newest), fingerprint])
+    result = run(["python", "stages/train.py", *args, "num_epochs=2"])
+    assert "cannot be loaded" in result.stderr and "resuming from" in result.stdout
+    assert not marker.exists()
+    assert torch.load(tmp_path / "model.pt", weights_only=True)["state_dict"]
