@@ -9,25 +9,15 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from ddpipe.config import Config, ConfigError, flatten, load_config, schema_table
+from ddpipe.config import Config, ConfigError, flatten, flatten_mapping, load_config, schema_table
 from tests.conftest import PARAMS, ROOT, run
 
 
 def test_params_yaml_matches_the_schema_keys() -> None:
     """params.yaml spells out every key (so `dvc exp run -S key=...` can set any of them)."""
     on_disk = OmegaConf.to_container(OmegaConf.load(PARAMS))
-    flat_disk = {k for k in flatten_dict(on_disk)}
+    flat_disk = set(flatten_mapping(on_disk))
     assert flat_disk == set(flatten(Config()))
-
-
-def flatten_dict(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten_dict(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def test_load_order_defaults_file_command_line(tmp_path: Path) -> None:

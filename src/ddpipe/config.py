@@ -177,7 +177,7 @@ def load_config(
         _check_keys(layer, Config, source, prefix="")
     cfg = OmegaConf.structured(Config)
     for source, layer in layers:
-        for key, value in _flatten(layer).items():
+        for key, value in flatten_mapping(layer).items():
             _set(cfg, key, value, source)
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, Config)
@@ -225,11 +225,12 @@ def _check_keys(layer: dict, schema: type, source: str, prefix: str) -> None:
             _check_keys(value, hints[key], source, prefix=f"{full}.")
 
 
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+def flatten_mapping(d: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten_mapping(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -384,7 +385,7 @@ def to_dict(cfg: Config) -> dict:
 
 def flatten(cfg: Config) -> dict[str, Any]:
     """The config as ``{"train.base_lr": 0.002, ...}``."""
-    return _flatten(to_dict(cfg))
+    return flatten_mapping(to_dict(cfg))
 
 
 def to_yaml(cfg: Config) -> str:
