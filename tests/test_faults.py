@@ -91,9 +91,9 @@ def test_a_worker_that_always_fails_gives_up_after_max_restarts(repro_clone: Pat
     out = result.stdout + result.stderr
     assert result.returncode != 0
     # torchrun restarted the group once (attempt_1), then gave up, naming the rank and the cause
-    assert "attempt_1" in out and "attempt_2" not in out
-    assert out.count("[rank0]: ddpipe.data.PreparedDataError: data/prepared/train.pt: cannot be loaded") == 2
-    assert "Root Cause" in out and "rank      : 0" in out
+    assert "attempt_1" in out and "attempt_2" not in out, out[-6000:]
+    assert out.count("ddpipe.data.PreparedDataError: data/prepared/train.pt: cannot be loaded") >= 2, out[-6000:]
+    assert "Root Cause" in out and "rank      : 0" in out, out[-6000:]
     assert _digest(repro_clone / "dvc.lock") == lock
 
 
