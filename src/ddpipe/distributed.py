@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -73,6 +74,14 @@ def _attempt_store(rank: int, world_size: int, timeout_s: int) -> dist.Store:
     return dist.PrefixStore(f"ddpipe/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
+def _processes_on_this_host(local_world_size: int) -> int:
+    """How many ranks share this host. Usually LOCAL_WORLD_SIZE, but several torchrun agents can run
+    on one host (a multi-node test, containers on one machine), each told it has the host alone."""
+    names: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, socket.gethostname())
+    return max(local_world_size, names.count(socket.gethostname()))
+
+
 def init_distributed(cfg: DistributedConfig) -> DistInfo:
     """Bind this process to its device, set its CPU threads, and join the process group if launched
     by torchrun. Each rank takes its device from LOCAL_RANK."""
@@ -85,8 +94,6 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        # Each process gets its share of the node's cores; more threads than cores just thrash.
-        torch.set_num_threads(cfg.threads_per_process or max(1, cpu_count() // local_world_size))
     backend = None
     if under_launcher:
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
@@ -97,6 +104,10 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
             world_size=world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
+    if device.type == "cpu":
+        # Each process gets its share of the host's cores; more threads than cores just thrash.
+        sharing = _processes_on_this_host(local_world_size) if under_launcher else 1
+        torch.set_num_threads(cfg.threads_per_process or max(1, cpu_count() // sharing))
     num_nodes = max(1, world_size // max(1, local_world_size))
     return DistInfo(under_launcher, rank, local_rank, world_size, local_world_size, num_nodes, device, backend)
 
