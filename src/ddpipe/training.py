@@ -217,8 +217,12 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         ckpt.set_rng_state(state["rng"])
         self.history = list(state["history"])
-        dd.print0(f"resuming from {self.cfg.paths.checkpoints} at epoch {pos.epoch + 1}, step {pos.step}",
-                  info=self.info)
+        if pos.epoch >= self.cfg.num_epochs:
+            dd.print0(f"{self.cfg.paths.checkpoints}: this run's {pos.epoch} epochs are already trained; "
+                      "writing its outputs", info=self.info)
+        else:
+            dd.print0(f"resuming from {self.cfg.paths.checkpoints} at epoch {pos.epoch + 1}, step {pos.step}",
+                      info=self.info)
         return pos, state.get("run_id") or None
 
     def _save(self, pos: ckpt.Position) -> None:
