@@ -190,6 +190,29 @@ def test_killed_checkpoint_write_leaves_previous_intact(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
+@pytest.mark.slow
+def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path: Path) -> None:
+    """A real SIGKILL while rank 0 writes a (large) checkpoint: the final path never holds a partial
+    file, the previous checkpoint still loads, and the leftover temp file is ignored."""
+    fp = "abcdef012345"
+    previous = ckpt.save_checkpoint(tmp_path, fp, ckpt.Position(1, 0), {"v": torch.tensor([1.0])}, keep=3)
+    writer = subprocess.Popen([
+        "python", "-c",
+        "import sys, torch; from pathlib import Path; from ddpipe import checkpoint as c; "
+        "c.save_checkpoint(Path(sys.argv[1]), sys.argv[2], c.Position(2, 0), "
+        "{'v': torch.zeros(400_000_000, dtype=torch.uint8)}, keep=3)", str(tmp_path), fp],
+        cwd=ROOT, env={**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"})
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(tmp_path.glob(".ckpt-*.tmp")):
+        time.sleep(0.01)
+    assert list(tmp_path.glob(".ckpt-*.tmp")), "the writer never started its temp file"
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.wait(timeout=60)
+    assert not ckpt.checkpoint_path(tmp_path, fp, ckpt.Position(2, 0)).exists()
+    pos, state = ckpt.load_latest(tmp_path, fp)
+    assert pos == ckpt.Position(1, 0) and state["v"].item() == 1.0 and previous.exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # Exact distributed validation
 
