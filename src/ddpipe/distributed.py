@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -172,12 +171,6 @@ def print0(*args: object, info: DistInfo | None = None, **kwargs: object) -> Non
         print(*args, **kwargs, flush=True)
 
 
-def fail(message: str, info: DistInfo) -> None:
-    """Report an error from this rank, naming it, on stderr."""
-    print(f"[rank {info.rank}/{info.world_size} on node {os.uname().nodename}] error: {message}",
-          file=sys.stderr, flush=True)
-
-
 # ---------------------------------------------------------------------------------------------
 # SyncBatchNorm
 
@@ -245,7 +238,8 @@ class CPUSyncBatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {x.dim()}D input)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.training and dist.is_available() and dist.is_initialized()):
+        if not (self.training and dist.is_available() and dist.is_initialized()
+                and dist.get_world_size() > 1):
             return super().forward(x)
         assert self.affine, "ddpipe's models use affine BatchNorm"
         with torch.autocast(x.device.type, enabled=False):
