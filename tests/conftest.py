@@ -161,12 +161,16 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 # Running things
 
 
+def subprocess_env(extra: dict | None = None) -> dict:
+    """This environment with the venv first on PATH, unbuffered Python, and ``extra`` on top."""
+    return {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PYTHONUNBUFFERED": "1", **(extra or {})}
+
+
 def run(cmd: list[str] | str, cwd: Path = ROOT, env: dict | None = None, timeout: int = 600,
         check: bool = True) -> subprocess.CompletedProcess:
     """Run a command with the venv first on PATH; fail with its output if ``check`` and it fails."""
-    full_env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-                "PYTHONUNBUFFERED": "1", **(env or {})}
-    result = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
+    result = subprocess.run(cmd, cwd=cwd, env=subprocess_env(env), capture_output=True, text=True, timeout=timeout,
                             shell=isinstance(cmd, str))
     if check and result.returncode != 0:
         raise AssertionError(f"{cmd} exited {result.returncode}\nstdout:\n{result.stdout[-4000:]}\n"
@@ -181,6 +185,8 @@ def torchrun(nproc: int, *args: str, extra: tuple[str, ...] = ()) -> list[str]:
 
 GIT_ENV = {"GIT_AUTHOR_NAME": "ddpipe tests", "GIT_AUTHOR_EMAIL": "tests@ddpipe.invalid",
            "GIT_COMMITTER_NAME": "ddpipe tests", "GIT_COMMITTER_EMAIL": "tests@ddpipe.invalid"}
+# In a clone: commits need an identity, and runs go to the clone's own mlflow.db.
+CLONE_ENV = {**GIT_ENV, "MLFLOW_TRACKING_URI": ""}
 CLONE_PARAMS = {"data.max_train_samples": 1024, "model.width": 8, "num_epochs": 2,
                 "train.batch_size_per_rank": 64, "train.progress_bar": False}
 
@@ -213,7 +219,7 @@ def reproduced_clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not FASHION_DIR.is_dir():
         pytest.skip("Debian's dataset-fashion-mnist is not installed")
     repo = clone_repo(tmp_path_factory.mktemp("reproduced") / "repo", CLONE_PARAMS)
-    run(["dvc", "repro"], cwd=repo, env={**GIT_ENV, "MLFLOW_TRACKING_URI": ""}, timeout=900)
+    run(["dvc", "repro"], cwd=repo, env=CLONE_ENV, timeout=900)
     run(["git", "add", "-A"], cwd=repo, env=GIT_ENV)
     run(["git", "commit", "-qm", "reproduced"], cwd=repo, env=GIT_ENV)
     return repo

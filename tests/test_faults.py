@@ -13,12 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import GIT_ENV, ROOT, VENV_BIN, args_for, free_port, max_rel_diff, run, torchrun, weights
-
-
-def _env() -> dict:
-    return {**os.environ, **GIT_ENV, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
-            "MLFLOW_TRACKING_URI": "", "PYTHONUNBUFFERED": "1"}
+from tests.conftest import (
+    CLONE_ENV,
+    ROOT,
+    VENV_BIN,
+    args_for,
+    free_port,
+    max_rel_diff,
+    run,
+    subprocess_env,
+    torchrun,
+    weights,
+)
 
 
 def _digest(path: Path) -> str:
@@ -47,7 +53,8 @@ def test_two_torchrun_agents_on_one_machine_match_one_agent_with_two_processes(t
         [str(VENV_BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
          f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=fault-suite", str(ROOT / "stages" / "train.py"),
          *args_for(tmp_path / "multi", prepared, *common)],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+        cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)]
     for agent in agents:
         out, _ = agent.communicate(timeout=600)
         assert agent.returncode == 0, out[-4000:]
@@ -59,7 +66,7 @@ def test_a_rank_that_stops_answering_fails_the_job_within_the_timeout(tmp_path: 
     timeout_s = 10
     proc = subprocess.Popen(
         torchrun(2, *args_for(tmp_path, prepared, "num_epochs=50", f"distributed.timeout_s={timeout_s}")),
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _wait_for_checkpoint(tmp_path / "ckpt", proc)
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     stopped = int(sorted(workers, key=int)[-1])
@@ -88,7 +95,7 @@ def test_a_worker_that_always_fails_gives_up_after_max_restarts(repro_clone: Pat
     train = repro_clone / "data" / "prepared" / "train.pt"
     train.unlink()  # a DVC-cached file is read-only and linked: replace it, never write through it
     train.write_bytes(b"this is not a tensor file")
-    result = run(["dvc", "repro", "--single-item", "train"], cwd=repro_clone, env=_env(), check=False, timeout=600)
+    result = run(["dvc", "repro", "--single-item", "train"], cwd=repro_clone, env=CLONE_ENV, check=False, timeout=600)
     out = result.stdout + result.stderr
     assert result.returncode != 0
     # torchrun restarted the group once (attempt_1), then gave up, naming the rank and the cause
@@ -102,7 +109,7 @@ def test_a_worker_that_always_fails_gives_up_after_max_restarts(repro_clone: Pat
 def test_sigint_during_dvc_repro_then_repro_resumes(repro_clone: Path) -> None:
     params = repro_clone / "params.yaml"
     params.write_text(params.read_text().replace("num_epochs: 2", "num_epochs: 6"))
-    proc = subprocess.Popen(["dvc", "repro"], cwd=repro_clone, env=_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(["dvc", "repro"], cwd=repro_clone, env=subprocess_env(CLONE_ENV), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     checkpoints = repro_clone / "checkpoints"
     deadline = time.time() + 300
@@ -113,7 +120,7 @@ def test_sigint_during_dvc_repro_then_repro_resumes(repro_clone: Path) -> None:
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends to the whole foreground group
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0, out[-3000:]
-    again = run(["dvc", "repro"], cwd=repro_clone, env=_env(), timeout=600)
+    again = run(["dvc", "repro"], cwd=repro_clone, env=CLONE_ENV, timeout=600)
     assert "resuming from checkpoints at epoch" in again.stdout + again.stderr
     assert "Running stage 'evaluate'" in again.stdout
 
@@ -130,7 +137,7 @@ def test_invalid_params_fail_before_torchrun_and_overwrite_nothing(repro_clone: 
     before = {p: _digest(repro_clone / p) for p in ("dvc.lock", "data/prepared/train.pt", "metrics/test.json")}
     model = repro_clone / "models" / "model.pt"
     model_digest = _digest(model)
-    result = run(["dvc", "repro"], cwd=repro_clone, env=_env(), check=False, timeout=300)
+    result = run(["dvc", "repro"], cwd=repro_clone, env=CLONE_ENV, check=False, timeout=300)
     out = result.stdout + result.stderr
     assert result.returncode != 0
     assert bad.split(":")[0].strip() in out or "no_such_key" in out
@@ -141,7 +148,8 @@ def test_invalid_params_fail_before_torchrun_and_overwrite_nothing(repro_clone: 
 
 @pytest.mark.slow
 def test_dvc_exp_run_with_a_bad_value_fails(repro_clone: Path) -> None:
-    result = run(["dvc", "exp", "run", "-S", "num_epochs=abc"], cwd=repro_clone, env=_env(), check=False, timeout=300)
+    result = run(["dvc", "exp", "run", "-S", "num_epochs=abc"], cwd=repro_clone, env=CLONE_ENV, check=False,
+                 timeout=300)
     assert result.returncode != 0
     assert "num_epochs = 'abc' is not accepted" in result.stdout + result.stderr
 

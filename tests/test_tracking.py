@@ -17,7 +17,7 @@ import torch
 from ddpipe.config import Config, MlflowConfig, load_config
 from ddpipe.distributed import DistInfo
 from ddpipe.tracking import MlflowTracker, NullTracker, make_tracker, tracking_uri
-from tests.conftest import CLONE_PARAMS, FASHION_DIR, GIT_ENV, PARAMS, VENV_BIN, args_for, clone_repo, free_port, run
+from tests.conftest import CLONE_ENV, CLONE_PARAMS, FASHION_DIR, PARAMS, VENV_BIN, args_for, clone_repo, free_port, run
 
 
 def _client(uri: str):
@@ -131,9 +131,6 @@ def test_tracker_failure_is_contained(monkeypatch: pytest.MonkeyPatch) -> None:
 EXP_PARAMS = [arg for key, value in CLONE_PARAMS.items() for arg in ("-S", f"{key}={str(value).lower()}")]
 
 
-def _env() -> dict:
-    return {**GIT_ENV, "MLFLOW_TRACKING_URI": ""}
-
 
 def _runs_by_name(repo: Path) -> dict:
     client = _client(f"sqlite:///{repo}/mlflow.db")
@@ -148,7 +145,7 @@ def test_dvc_exp_run_is_one_named_mlflow_run(tmp_path: Path) -> None:
     if not FASHION_DIR.is_dir():
         pytest.skip("Debian's dataset-fashion-mnist is not installed")
     clone = clone_repo(tmp_path / "repo")
-    env = _env()
+    env = CLONE_ENV
     run(["dvc", "exp", "run", "-n", "tiny-exp", *EXP_PARAMS], cwd=clone, env=env, timeout=900)
     runs = _runs_by_name(clone)
     assert list(runs) == ["tiny-exp"]
@@ -171,7 +168,7 @@ def test_dvc_exp_run_is_one_named_mlflow_run(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_two_queued_experiments_run_in_parallel(repro_clone: Path) -> None:
     """Queued runs see only what git tracks, so they start from a clone whose dvc.lock is committed."""
-    clone, env = repro_clone, _env()
+    clone, env = repro_clone, CLONE_ENV
     for seed in (1, 2):
         run(["dvc", "exp", "run", "--queue", "-n", f"seed-{seed}", "-S", f"seed={seed}"], cwd=clone, env=env)
     run(["dvc", "queue", "start", "-j", "2"], cwd=clone, env=env)

@@ -18,7 +18,7 @@ from ddpipe import checkpoint as ckpt
 from ddpipe.data import BatchTransform, InMemoryDataset
 from ddpipe.distributed import DistInfo
 from ddpipe.training import evaluate_split, load_model
-from tests.conftest import ROOT, VENV_BIN, args_for, max_rel_diff, run, spawn, torchrun, weights
+from tests.conftest import ROOT, args_for, max_rel_diff, run, spawn, subprocess_env, torchrun, weights
 
 
 @pytest.mark.slow
@@ -65,7 +65,7 @@ def test_sigkilled_worker_is_restarted_and_resumes_exactly(tmp_path: Path, prepa
     run(torchrun(2, *args_for(clean, prepared, *common)))
 
     killed = tmp_path / "killed"
-    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"}
+    env = subprocess_env()
     proc = subprocess.Popen(torchrun(2, *args_for(killed, prepared, *common), extra=("--max-restarts=1",)),
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
@@ -83,7 +83,7 @@ def test_sigkilled_worker_is_restarted_and_resumes_exactly(tmp_path: Path, prepa
 
 @pytest.mark.slow
 def test_two_trainings_at_once_on_one_machine(tmp_path: Path, prepared: Path) -> None:
-    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"}
+    env = subprocess_env()
     procs = [subprocess.Popen(torchrun(2, *args_for(tmp_path / f"run{i}", prepared, "num_epochs=1",
                                                     f"seed={i}")),
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -201,7 +201,7 @@ def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_
         "import sys, torch; from pathlib import Path; from ddpipe import checkpoint as c; "
         "c.save_checkpoint(Path(sys.argv[1]), sys.argv[2], c.Position(2, 0), "
         "{'v': torch.zeros(400_000_000, dtype=torch.uint8)}, keep=3)", str(tmp_path), fp],
-        cwd=ROOT, env={**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"})
+        cwd=ROOT, env=subprocess_env())
     deadline = time.time() + 120
     while time.time() < deadline and not list(tmp_path.glob(".ckpt-*.tmp")):
         time.sleep(0.01)
