@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,7 @@ from ddpipe.data import (
     train_loader,
 )
 from ddpipe.sources import fetch
-from tests.conftest import FASHION_DIR, ROOT, make_imagefolder, make_mnist_like, run
+from tests.conftest import FASHION_DIR, clone_repo, make_imagefolder, make_mnist_like, run
 
 LABELS = np.repeat(np.arange(10), [100, 90, 80, 70, 60, 50, 40, 30, 20, 10])
 
@@ -143,12 +142,8 @@ def test_augmentation_keeps_images_with_zero_padding() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not FASHION_DIR.is_dir(), reason="Debian's dataset-fashion-mnist is not installed")
 def test_data_stages_on_real_fashion_mnist_via_dvc(tmp_path: Path) -> None:
-    """`dvc repro prepare` in a copy of the repo: 60,000 + 10,000 images, then a no-op second run."""
-    repo = tmp_path / "repo"
-    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".venv", "data", "models", "metrics",
-                                                              "checkpoints", "mlflow.db", "mlartifacts",
-                                                              "reports", ".pytest_cache", "__pycache__"))
-    run(["git", "init", "-q"], cwd=repo)
+    """`dvc repro prepare` in a fresh clone (no DVC cache): 60,000 + 10,000 images, then a no-op."""
+    repo = clone_repo(tmp_path / "repo")
     first = run(["dvc", "repro", "prepare"], cwd=repo, timeout=600)
     assert "Running stage 'prepare'" in first.stdout
     meta = json.loads((repo / "data" / "prepared" / "meta.json").read_text())
