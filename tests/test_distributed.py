@@ -58,10 +58,13 @@ def _sync_bn_rank(rank: int, world: int, x_full: torch.Tensor, g_full: torch.Ten
                 "n": bn.num_batches_tracked.clone()}, out_dir / f"rank{rank}.pt")
 
 
-@pytest.mark.parametrize("channels_last", [False, True])
-def test_cpu_sync_batchnorm_equals_batchnorm_over_the_concatenated_batch(channels_last: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize("channels_last, std, mean", [(False, 3.0, 1.0), (True, 3.0, 1.0), (False, 0.2, 20.0)])
+def test_cpu_sync_batchnorm_equals_batchnorm_over_the_concatenated_batch(channels_last: bool, std: float, mean: float,
+                                                                         tmp_path: Path) -> None:
+    """Also with mean^2 / var = 1e4, where combining the ranks' E[x^2] - mean^2 in fp32 loses the
+    variance to cancellation (the ranks' statistics are combined in fp64)."""
     gen = torch.Generator().manual_seed(1)
-    x_full = torch.randn(8, 3, 5, 4, generator=gen, dtype=torch.float64).float() * 3 + 1
+    x_full = torch.randn(8, 3, 5, 4, generator=gen, dtype=torch.float64).float() * std + mean
     g_full = torch.randn(8, 3, 5, 4, generator=gen)
     steps = 3
     ref = _reference(x_full, g_full, steps)

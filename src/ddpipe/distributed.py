@@ -179,25 +179,29 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     """Batch normalisation over the union of every rank's batch, with a hand-written backward.
 
     Forward all-reduces per-channel [sum, sum of squares, count]; backward all-reduces
-    [sum(dy), sum(dy * x_hat)], as torch's CUDA SyncBatchNorm does. The passes over the activations
-    use ATen's fused CPU batch-norm kernels (stats, eval-mode normalisation, backward reductions):
+    [sum(dy), sum(dy * x_hat)], as torch's CUDA SyncBatchNorm does; both in fp64 (a few values per
+    channel). The passes over the activations use ATen's fused CPU batch-norm kernels (stats,
+    eval-mode normalisation, backward reductions):
     composing var_mean and elementwise ops instead made a 2-process step 3x slower (BENCHMARKS.md).
     Weight and bias gradients stay local; DDP averages them like any other parameter's.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        # fp32 statistics even for bf16 activations (ATen returns them in the input's dtype).
-        mean_l, var_l = torch.batch_norm_update_stats(x.float(), None, None, 0.0)
+        # Per-rank statistics from ATen's kernel (fp64 accumulation inside; fp32 even for bf16
+        # activations), combined across ranks in fp64: E[x^2] - mean^2 in fp32 would lose up to
+        # mean^2/var x 6e-8 of the variance to cancellation.
+        mean_l, var_l = (t.double() for t in torch.batch_norm_update_stats(x.float(), None, None, 0.0))
         n_l = x.numel() / x.shape[1]
         stats = torch.cat([mean_l * n_l, (var_l + mean_l * mean_l) * n_l, mean_l.new_full((1,), n_l)])
         dist.all_reduce(stats)
         c = x.shape[1]
         total = stats[2 * c]
-        mean = stats[:c] / total
-        var = (stats[c:2 * c] / total - mean * mean).clamp_min(0.0)
+        mean64 = stats[:c] / total
+        var64 = (stats[c:2 * c] / total - mean64 * mean64).clamp_min(0.0)
+        mean, var = mean64.float(), var64.float()
         y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
-        invstd = torch.rsqrt(var + eps)
+        invstd = torch.rsqrt(var64 + eps).float()
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.total, ctx.eps = total, eps
         return y, mean, var, total
@@ -208,10 +212,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
             dy, x, weight, None, None, mean, invstd, True, ctx.eps, [False, True, True])
         grad_weight, grad_bias = sum_dy_xhat.clone(), sum_dy.clone()  # local, as DDP expects
-        both = torch.cat([sum_dy.float(), sum_dy_xhat.float()])
+        both = torch.cat([sum_dy.double(), sum_dy_xhat.double()])
         dist.all_reduce(both)
         c = x.shape[1]
-        mean_dy, mean_dy_xhat = both[:c] / ctx.total, both[c:] / ctx.total
+        mean_dy, mean_dy_xhat = (both[:c] / ctx.total).float(), (both[c:] / ctx.total).float()
         # dx = w * invstd * (dy - mean(dy) - x_hat * mean(dy * x_hat)), means over all ranks
         a = weight.float() * invstd
         b = -a * invstd * mean_dy_xhat
