@@ -34,24 +34,59 @@ def test_plain_process_trains_and_writes_every_output(tmp_path: Path, prepared: 
 
 
 @pytest.mark.slow
-def test_one_and_two_processes_end_with_the_same_weights(tmp_path: Path, prepared: Path) -> None:
-    """Same global batch, lr_scaling=none: DistributedSampler shards + SyncBatchNorm + keyed
-    augmentation make a 2-process run take the 1-process run's steps.
+def test_one_and_two_processes_end_as_close_as_float_rounding_allows(tmp_path: Path, prepared: Path) -> None:
+    """Issue 3's configuration: default AdamW and precision, lr_scaling=none, global batch 64 as 1 x 64
+    and as 2 x 32, 2 epochs. DistributedSampler shards + SyncBatchNorm + keyed augmentation give the
+    2-process run the 1-process run's samples, statistics and learning rate at every step, so the two
+    may differ only by float rounding, and rounding differences grow chaotically in training (ReLU
+    and max-pool decisions flip, AdamW normalises the changed gradients). The yardstick is the same
+    1-process run with 1 thread instead of 2, which differs from it by nothing but rounding (the
+    order of its sums). Measured here: on this test's data 6.1%, 7.0% and 79% (another seed); on
+    Fashion-MNIST (2,048 samples, the default model) 18.5%, 18.9% and 91%. So issue 3's "within 1e-3"
+    is below what rounding alone produces, and at this distance a real defect hides in the noise
+    (2 processes without SyncBatchNorm: 28%); the test below is the one that tells them apart."""
+    common = ["train.lr_scaling=none", "train.hflip=true"]
+    one, threads, two, other = (tmp_path / name for name in ("one", "one-thread", "two", "other-seed"))
+    run(torchrun(1, *args_for(one, prepared, *common, "train.batch_size_per_rank=64",
+                              "distributed.threads_per_process=2")))
+    run(torchrun(1, *args_for(threads, prepared, *common, "train.batch_size_per_rank=64",
+                              "distributed.threads_per_process=1")))
+    run(torchrun(2, *args_for(two, prepared, *common, "train.batch_size_per_rank=32",
+                              "distributed.threads_per_process=1")))
+    run(torchrun(1, *args_for(other, prepared, *common, "train.batch_size_per_rank=64",
+                              "distributed.threads_per_process=2", "seed=7")))
+    reference = weights(one / "model.pt")
+    world, rounding, seed = (max_rel_diff(reference, weights(d / "model.pt")) for d in (two, threads, other))
+    print(f"relative weight difference: 1 vs 2 processes {world:.2e}, 2 vs 1 thread {rounding:.2e}, "
+          f"another seed {seed:.2e}")
+    assert world <= max(2 * rounding, 1e-3)  # no further apart than rounding alone takes one run
+    assert seed > 3 * world  # and far closer than a different trajectory
 
-    Exactly equal they cannot be: in fp32 this network's BatchNorm and first-layer gradients come
-    from sums with heavy cancellation, ~1% (max over tensors) away from fp64 whichever way they are
-    summed (measured), and training amplifies that; AdamW turns it into ~2% after 64 steps even
-    between two runs of one world size that differ only in threads per process. So: a few fp32 SGD
-    steps, weights within 5e-3 of each other, and far closer than a run with another seed."""
+
+@pytest.mark.slow
+def test_one_and_two_processes_take_the_same_steps(tmp_path: Path, prepared: Path) -> None:
+    """The discriminating version of the test above: 2 fp32 SGD steps (global batch 512), before
+    rounding differences are amplified. 1 vs 2 processes must again be no further apart than 2
+    threads vs 1 (measured 1.4e-4 and 1.2e-4), and a 2-process run without SyncBatchNorm (each rank
+    normalising by its own 256 samples: a real defect) clearly further (1.0e-3)."""
     common = ["train.lr_scaling=none", "train.precision=fp32", "train.optimizer=sgd", "train.base_lr=0.01",
               "num_epochs=1"]
-    one, two, other = tmp_path / "one", tmp_path / "two", tmp_path / "other"
-    run(torchrun(1, *args_for(one, prepared, *common, "train.batch_size_per_rank=256")))
-    run(torchrun(2, *args_for(two, prepared, *common, "train.batch_size_per_rank=128")))
-    diff = max_rel_diff(weights(one / "model.pt"), weights(two / "model.pt"))
-    assert diff < 5e-3
-    run(torchrun(2, *args_for(other, prepared, *common, "train.batch_size_per_rank=128", "seed=7")))
-    assert max_rel_diff(weights(one / "model.pt"), weights(other / "model.pt")) > 5 * diff
+    runs = {
+        "one": (1, "train.batch_size_per_rank=512", "distributed.threads_per_process=2"),
+        "one-thread": (1, "train.batch_size_per_rank=512", "distributed.threads_per_process=1"),
+        "two": (2, "train.batch_size_per_rank=256", "distributed.threads_per_process=1"),
+        "two-unsynced": (2, "train.batch_size_per_rank=256", "distributed.threads_per_process=1",
+                         "distributed.sync_batchnorm=false"),
+    }
+    for name, (nproc, *extra) in runs.items():
+        run(torchrun(nproc, *args_for(tmp_path / name, prepared, *common, *extra)))
+    reference = weights(tmp_path / "one" / "model.pt")
+    world, rounding, unsynced = (max_rel_diff(reference, weights(tmp_path / d / "model.pt"))
+                                 for d in ("two", "one-thread", "two-unsynced"))
+    print(f"relative weight difference: 1 vs 2 processes {world:.2e}, 2 vs 1 thread {rounding:.2e}, "
+          f"2 processes without SyncBatchNorm {unsynced:.2e}")
+    assert world <= 3 * rounding
+    assert unsynced > 4 * max(world, rounding)
 
 
 def _newest_checkpoint(directory: Path) -> list[Path]:
