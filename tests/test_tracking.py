@@ -74,6 +74,15 @@ def test_training_and_evaluation_make_one_complete_run(tmp_path: Path, prepared:
     run_info = json.loads((tmp_path / "run.json").read_text())
     assert run_info["run_id"] == r.info.run_id
 
+    # Training again with nothing left to train (e.g. `dvc repro` after a code-only change) rewrites
+    # the outputs from the last checkpoint into the same run, without a second copy of the model.
+    again = run(["python", "stages/train.py", *args])
+    assert "already holds this model" in again.stdout
+    assert [x.info.run_id for x in client.search_runs([exp.experiment_id])] == [r.info.run_id]
+    models = mlflow.search_logged_models(experiment_ids=[exp.experiment_id], output_format="list",
+                                         filter_string=f"source_run_id = '{r.info.run_id}'")
+    assert len(models) == 1
+
 
 def _wait_for(url: str, seconds: float) -> None:
     deadline = time.time() + seconds

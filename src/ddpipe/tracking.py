@@ -177,12 +177,25 @@ class MlflowTracker(NullTracker):
     def log_text(self, text: str, artifact_file: str) -> None:
         self._call("log_text", lambda: self._client().log_text(text, artifact_file))
 
+    def _has_model(self, mlflow: Any) -> bool:
+        """Whether this run already holds a completely logged ``model`` (a re-run of a finished
+        training, e.g. ``dvc repro`` after a code-only change, rewrites its outputs from the last
+        checkpoint and must not log a second copy)."""
+        experiment_id = mlflow.get_run(self.run_id).info.experiment_id
+        found = mlflow.search_logged_models(
+            experiment_ids=[experiment_id], output_format="list",
+            filter_string=f"source_run_id = '{self.run_id}' AND name = 'model'")
+        return any(str(m.status).upper().endswith("READY") for m in found)
+
     def log_model(self, model: Any, input_example: Any) -> None:
         def go() -> None:
             import mlflow.pytorch
             import torch
             from mlflow.models import infer_signature
 
+            if self._has_model(mlflow):
+                print(f"MLflow run {self.run_id} already holds this model; not logging it again", flush=True)
+                return
             with torch.no_grad():
                 output = model(torch.from_numpy(input_example)).numpy()
             mlflow.pytorch.log_model(
