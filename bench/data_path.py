@@ -5,7 +5,7 @@
     python bench/data_path.py --quick               # smoke run
 
 Variants:
-  ddpipe         data.train_loader over the prepared train split, batches rebuilt per epoch as
+  ddpipe         data.TrainShards over the prepared train split, batches rebuilt per epoch as
                  Trainer.run_epoch does, then BatchTransform (seeded crop + flip, normalise,
                  channels_last) on the CPU
   ddpipe-noaug   the same without augmentation (normalise + channels_last only)
@@ -26,7 +26,7 @@ import torch
 from common import REPO, append_jsonl, cores, fashion_mnist_root, markdown_table, write_json
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from ddpipe.data import BatchTransform, InMemoryDataset, load_meta, train_loader
+from ddpipe.data import BatchTransform, InMemoryDataset, TrainShards, load_meta
 
 VARIANTS = ("ddpipe", "ddpipe-noaug", "reference")
 warnings.filterwarnings("ignore", message=".*pin_memory.*")  # the reference's pin_memory on CPU
@@ -53,15 +53,12 @@ def ddpipe_epochs(args: argparse.Namespace, augment: bool) -> Callable[[int], It
     data = InMemoryDataset.load(args.prepared, "train")
     if args.max_samples:
         data = InMemoryDataset(data.images[:args.max_samples], data.labels[:args.max_samples])
-    loader, sampler = train_loader(data, args.batch_size, 0, 1, 42, pin_memory=False)
+    shards = TrainShards(data, args.batch_size, 0, 1, 42, pin_memory=False)
     pad, flip = (2, True) if augment else (0, False)
     transform = BatchTransform(meta["mean"], meta["std"], pad, flip, 42, torch.device("cpu"), True)
 
     def epoch(e: int) -> Iterable[torch.Tensor]:
-        sampler.set_epoch(e)
-        batches = list(loader.batch_sampler)
-        per_epoch = DataLoader(data, batch_sampler=batches, collate_fn=loader.collate_fn)
-        for images, _labels, idx in per_epoch:
+        for images, _labels, idx in shards.loader(e):
             yield transform(images, idx, e)
 
     return epoch

@@ -8,7 +8,7 @@ The pieces are built as training.Trainer builds them (one process, no DDP; Train
 loads the validation split, a tracker and checkpoints): the model from params.yaml (plus any
 ``key=value`` overrides) in channels_last and the precision ``training.resolve_precision`` picks
 (bf16 autocast where the CPU has AVX512-BF16/AMX), BatchTransform with augmentation, AdamW with the
-Trainer's settings, batches from ``data.train_loader``. After ``--warmup`` steps, ``--steps`` steps run
+Trainer's settings, batches from ``data.TrainShards``. After ``--warmup`` steps, ``--steps`` steps run
 under the profiler, each phase labelled (data+transform, forward, backward, optimizer). Prints the
 step time and the top ops by self CPU time as Markdown; appends to bench/results/profile_step.jsonl.
 """
@@ -27,7 +27,7 @@ from common import REPO, append_jsonl, cores, markdown_table
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from ddpipe.config import Config, load_config
-from ddpipe.data import BatchTransform, InMemoryDataset, load_meta, train_loader
+from ddpipe.data import BatchTransform, InMemoryDataset, TrainShards, load_meta
 from ddpipe.models import build_model
 from ddpipe.training import resolve_precision, use_channels_last
 
@@ -64,9 +64,7 @@ class Step:
         self.model = model.to(memory_format=torch.channels_last) if self.channels_last else model
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=tc.base_lr,
                                            betas=(tc.momentum, 0.999), weight_decay=tc.weight_decay)
-        loader, sampler = train_loader(self.data, tc.batch_size_per_rank, 0, 1, cfg.seed, False)
-        sampler.set_epoch(0)
-        self.batches = list(loader.batch_sampler)
+        self.batches = TrainShards(self.data, tc.batch_size_per_rank, 0, 1, cfg.seed, False).batches(0)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.precision == "fp32":

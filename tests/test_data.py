@@ -13,12 +13,12 @@ from ddpipe.config import DataConfig
 from ddpipe.data import (
     BatchTransform,
     InMemoryDataset,
+    TrainShards,
     eval_loader,
     prepare,
     real_sample_mask,
     split_indices,
     stratified_pick,
-    train_loader,
 )
 from ddpipe.sources import fetch
 from tests.conftest import FASHION_DIR, clone_repo, make_imagefolder, make_mnist_like, run
@@ -83,24 +83,23 @@ def test_train_shards_are_disjoint_and_cover_the_global_batches() -> None:
     ds = _dataset(100)
     seen = []
     for rank in range(2):
-        loader, sampler = train_loader(ds, 8, rank, 2, seed=0, pin_memory=False)
-        sampler.set_epoch(0)
-        seen.append([idx for _, _, idx in loader])
+        shards = TrainShards(ds, 8, rank, 2, seed=0, pin_memory=False)
+        assert len(shards) == 6
+        seen.append([idx for _, _, idx in shards.loader(0)])
     flat = torch.cat([torch.cat(s) for s in seen])
     assert len(flat) == len(set(flat.tolist())) == 96  # 100 // (2 * 8) steps x 16, no repeats
-    single, sampler = train_loader(ds, 16, 0, 1, seed=0, pin_memory=False)
-    sampler.set_epoch(0)
-    for step, (_, _, idx) in enumerate(single):  # same global batch at world size 1 and 2
+    single = TrainShards(ds, 16, 0, 1, seed=0, pin_memory=False)
+    for step, (_, _, idx) in enumerate(single.loader(0)):  # same global batch at world size 1 and 2
         assert set(idx.tolist()) == set(seen[0][step].tolist()) | set(seen[1][step].tolist())
 
 
 def test_set_epoch_changes_the_order() -> None:
-    loader, sampler = train_loader(_dataset(64), 8, 0, 2, seed=0, pin_memory=False)
-    orders = []
-    for epoch in (0, 1, 0):
-        sampler.set_epoch(epoch)
-        orders.append(torch.cat([idx for _, _, idx in loader]).tolist())
+    shards = TrainShards(_dataset(64), 8, 0, 2, seed=0, pin_memory=False)
+    orders = [torch.cat([idx for _, _, idx in shards.loader(epoch)]).tolist() for epoch in (0, 1, 0)]
     assert orders[0] != orders[1] and orders[0] == orders[2]
+    assert shards.sampler.epoch == 0  # loader(epoch) is what calls set_epoch
+    resumed = torch.cat([idx for _, _, idx in shards.loader(1, start=2)]).tolist()
+    assert resumed == orders[1][2 * 8:]  # a resumed epoch: the same order, from its step
 
 
 @pytest.mark.parametrize("n, world", [(10, 3), (7, 2), (5, 4), (12, 1)])

@@ -174,17 +174,33 @@ def _keep_batch(batch: tuple) -> tuple:
     return batch
 
 
-def train_loader(
-    dataset: InMemoryDataset, batch_size: int, rank: int, world_size: int, seed: int,
-    pin_memory: bool,
-) -> tuple[DataLoader, DistributedSampler]:
-    """Shuffled shards of the train split; the last incomplete batch is dropped so that every rank
-    takes the same number of steps, and a step's global batch is the same set of samples at any
-    world size with the same global batch size."""
-    sampler = DistributedSampler(
-        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
-    )
-    return _loader(dataset, BatchSampler(sampler, batch_size, drop_last=True), pin_memory), sampler
+class TrainShards:
+    """This rank's shuffled shard of the train split, batched.
+
+    DistributedSampler with ``drop_last`` (every rank takes the same number of steps), batches of
+    ``batch_size`` with the last incomplete one dropped, so that a step's global batch is the same
+    set of samples at any world size with the same global batch size. ``loader(epoch, start, stop)``
+    calls ``set_epoch(epoch)`` (a new shuffle and new shards every epoch) and serves that epoch's
+    batches ``start:stop`` (a resumed epoch starts at its checkpointed step).
+    """
+
+    def __init__(self, dataset: InMemoryDataset, batch_size: int, rank: int, world_size: int, seed: int,
+                 pin_memory: bool) -> None:
+        self.dataset, self.batch_size, self.pin_memory = dataset, batch_size, pin_memory
+        self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                                          drop_last=True)
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank."""
+        return len(self.sampler) // self.batch_size
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """This rank's batches (sample indices) of ``epoch``."""
+        self.sampler.set_epoch(epoch)
+        return list(BatchSampler(self.sampler, self.batch_size, drop_last=True))
+
+    def loader(self, epoch: int, start: int = 0, stop: int | None = None) -> DataLoader:
+        return _loader(self.dataset, self.batches(epoch)[start:stop], self.pin_memory)
 
 
 def eval_loader(

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddpipe import checkpoint as ckpt
 from ddpipe import distributed as dd
 from ddpipe.config import Config, ConfigError, TrainConfig, flatten
-from ddpipe.data import BatchTransform, InMemoryDataset, eval_loader, load_meta, real_sample_mask, train_loader
+from ddpipe.data import BatchTransform, InMemoryDataset, TrainShards, eval_loader, load_meta, real_sample_mask
 from ddpipe.fsutil import atomic_save, atomic_write_json, atomic_write_text
 from ddpipe.models import build_model
 from ddpipe.tracking import NullTracker, make_tracker
@@ -141,9 +141,9 @@ class Trainer:
             self.model = torch.compile(self.model)
         torch.manual_seed(cfg.seed + info.rank)  # rank-offset seed for any per-rank randomness
 
-        self.loader, self.sampler = train_loader(self.train_set, tc.batch_size_per_rank, info.rank,
-                                                 info.world_size, cfg.seed, self._pin)
-        self.steps_per_epoch = len(self.loader) // tc.grad_accum_steps
+        self.shards = TrainShards(self.train_set, tc.batch_size_per_rank, info.rank, info.world_size, cfg.seed,
+                                  self._pin)
+        self.steps_per_epoch = len(self.shards) // tc.grad_accum_steps
         if self.steps_per_epoch < 1:
             raise ConfigError(
                 f"train.grad_accum_steps = {tc.grad_accum_steps} x train.batch_size_per_rank = "
@@ -259,14 +259,12 @@ class Trainer:
 
     def run_epoch(self, epoch: int, start_step: int) -> EpochStats:
         tc, info = self.cfg.train, self.info
-        self.sampler.set_epoch(epoch)  # a new shuffle (and new shards) every epoch
         accum = tc.grad_accum_steps
-        batches = list(self.loader.batch_sampler)[start_step * accum: self.steps_per_epoch * accum]
-        loader = torch.utils.data.DataLoader(self.train_set, batch_sampler=batches,
-                                             collate_fn=self.loader.collate_fn, pin_memory=self._pin)
+        # set_epoch(epoch): a new shuffle and new shards every epoch; a resumed epoch starts at its step
+        loader = self.shards.loader(epoch, start_step * accum, self.steps_per_epoch * accum)
         self.model.train()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, count
-        bar = self._progress(epoch, len(batches) // accum, start_step)
+        bar = self._progress(epoch, len(loader) // accum, start_step)
         step, t0 = start_step, time.perf_counter()
         for i, (images, labels, idx) in enumerate(loader):
             images = images.to(self.device, non_blocking=True)
