@@ -22,6 +22,8 @@ from ddpipe import checkpoint as ckpt
 from ddpipe import distributed as dd
 from ddpipe.config import Config, ConfigError, TrainConfig, flatten
 from ddpipe.data import BatchTransform, InMemoryDataset, TrainShards, eval_loader, load_meta, real_sample_mask
+from ddpipe.exact import clip_grad_norm_ as exact_clip_grad_norm_
+from ddpipe.exact import make_exact
 from ddpipe.fsutil import atomic_save, atomic_write_json, atomic_write_text
 from ddpipe.models import build_model
 from ddpipe.tracking import NullTracker, make_tracker
@@ -74,7 +76,15 @@ def preflight(cfg: Config) -> None:
     resolve_precision(cfg.train.precision, device)
     if cfg.distributed.backend == "nccl" and device.type != "cuda":
         raise ConfigError("distributed.backend = 'nccl' needs CUDA GPUs; accepted here: auto or gloo")
+    if cfg.distributed.exact and device.type != "cpu":
+        raise ConfigError("distributed.exact = True is not accepted on CUDA (cuDNN picks its algorithms by "
+                          "batch size, so results depend on the split); accepted there: false")
     meta = load_meta(cfg.paths.prepared)
+    if cfg.distributed.exact:
+        try:
+            make_exact(build_model(cfg.model, meta["num_channels"], len(meta["classes"])))
+        except ValueError as exc:
+            raise ConfigError(f"{exc} (model.name = {cfg.model.name!r})") from None
     if meta["sizes"]["train"] < cfg.train.batch_size_per_rank:
         raise ConfigError(
             f"train.batch_size_per_rank = {cfg.train.batch_size_per_rank} is larger than the training "
@@ -164,7 +174,9 @@ class Trainer:
 
     def _build_module(self) -> nn.Module:
         m = build_model(self.cfg.model, self.meta["num_channels"], len(self.meta["classes"]))
-        if self.info.distributed and self.info.world_size > 1 and self.cfg.distributed.sync_batchnorm:
+        if self.cfg.distributed.exact:
+            m = make_exact(m)  # its BatchNorm is synchronised too
+        elif self.info.distributed and self.info.world_size > 1 and self.cfg.distributed.sync_batchnorm:
             m = dd.convert_sync_batchnorm(m, self.device)  # before the DDP wrap
         m = m.to(self.device)
         return m.to(memory_format=torch.channels_last) if self.channels_last else m
@@ -316,7 +328,10 @@ class Trainer:
         tc = self.cfg.train
         if tc.grad_clip_norm is not None:
             self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), tc.grad_clip_norm)
+            if self.cfg.distributed.exact:
+                exact_clip_grad_norm_(self.module.parameters(), tc.grad_clip_norm)
+            else:
+                torch.nn.utils.clip_grad_norm_(self.module.parameters(), tc.grad_clip_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)

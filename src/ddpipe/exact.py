@@ -1,0 +1,242 @@
+"""World-size-exact training (``distributed.exact: true``, CPU only): arithmetic whose result does not
+depend on how a global batch is split over processes and threads, so that 1 and N processes with the
+same global batch train to the same weights, not merely to weights within float noise of each other.
+
+Why it is needed: with ordinary arithmetic the rounding of every sum over the batch depends on the
+split, and training amplifies those last-bit differences (ReLU and max-pool decisions flip, AdamW
+normalises the changed gradients): 2 epochs end ~19% apart, as far as one process run with 1 thread
+instead of 2 (README, "Determinism").
+
+How: the per-sample operations of a step (convolution and linear outputs and input gradients,
+pooling, activations, the loss's per-sample gradients) give each sample the same bits whatever batch
+it sits in and however many threads run (``tests/test_exact.py`` checks this on the machine at hand).
+What differs are the sums over the batch: BatchNorm's statistics and backward sums, and the weight and
+bias gradients. Here each is accumulated in fp64 over the local batch, all-reduced in fp64 and rounded
+once, so it has the same bits at any world size (fp64's own order-dependence, ~1e-16 relative, is far
+below fp32's last bit). Gradients come out as global sum / world size on every rank, which DDP's
+average turns back into the global sum: exactly when the world size is a power of two.
+
+Limits: CPU (cuDNN chooses its algorithms by batch size); no ``torch.compile`` (fusion may reorder the
+per-sample arithmetic); layers: Conv2d (groups 1, zero padding), Linear, BatchNorm. The loss is a mean
+over the local batch, so per-sample gradients are scaled by 1 / local batch: exact when the world
+sizes compared differ by powers of two. Cost: mostly the fp64 weight gradients, 2.6x (fp32) to 4.2x
+(bf16) a normal step (BENCHMARKS.md, "World-size-exact mode").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _global_sum(t: torch.Tensor, world: int) -> torch.Tensor:
+    """Sum of an fp64 tensor over the ranks."""
+    if world > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """What autocast would run the layer in (bf16 under bf16 autocast), else the weight's dtype."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else weight.dtype
+
+
+def _per_sample_sums(t: torch.Tensor) -> torch.Tensor:
+    """fp32 sums over everything but the batch and channel dimensions, shape (N, C): each sample's
+    sum is reduced in an order fixed by its own shape, so it has the same bits in any batch."""
+    return t.sum(tuple(range(2, t.dim())), dtype=torch.float32) if t.dim() > 2 else t.float()
+
+
+def _affine(t: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``t * scale + shift`` per channel, one fused pass (eval-mode batch_norm with mean 0, var 1,
+    eps 0 is exactly that), keeping bf16 activations bf16."""
+    zeros, ones = torch.zeros_like(scale), torch.ones_like(scale)
+    return torch.batch_norm(t, scale, shift, zeros, ones, False, 0.0, 0.0, False)
+
+
+class _BatchNormFn(torch.autograd.Function):
+    """Batch normalisation over the global batch from fp64 sums of per-sample partial sums."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, world):
+        xf, c = x.float(), x.shape[1]
+        parts = torch.stack([_per_sample_sums(xf), _per_sample_sums(xf * xf)]).double().sum(1).flatten()
+        sums = _global_sum(torch.cat([parts, parts.new_full((1,), x.numel() // c)]), world)
+        count = sums[2 * c]
+        mean = sums[:c] / count
+        var = (sums[c:2 * c] / count - mean * mean).clamp_min(0.0)
+        invstd = torch.rsqrt(var + eps)
+        scale = weight.double() * invstd
+        y = _affine(x, scale.float(), (bias.double() - mean * scale).float())
+        ctx.save_for_backward(x, weight, mean, invstd, count)
+        ctx.world = world
+        return y, mean.float(), var.float(), count
+
+    @staticmethod
+    def backward(ctx, dy, _mean, _var, _count):
+        x, weight, mean, invstd, count = ctx.saved_tensors
+        dyf, xf = dy.float(), x.float()
+        parts = torch.stack([_per_sample_sums(dyf), _per_sample_sums(dyf * xf)]).double().sum(1).flatten()
+        sum_dy, sum_dy_x = _global_sum(parts, ctx.world).view(2, -1)
+        sum_dy_xhat = (sum_dy_x - mean * sum_dy) * invstd
+        # dx = w * invstd * (dy - mean(dy) - x_hat * mean(dy * x_hat)), means over the global batch
+        a = weight.double() * invstd
+        b = -a * invstd * sum_dy_xhat / count
+        c = -a * sum_dy / count - b * mean
+        dx = _affine(dyf, a.float(), c.float())
+        dx += _affine(xf, b.float(), torch.zeros_like(b, dtype=torch.float32))
+        return (dx.to(x.dtype), (sum_dy_xhat / ctx.world).to(weight.dtype), (sum_dy / ctx.world).to(weight.dtype),
+                None, None)
+
+
+class ExactBatchNorm(_BatchNorm):
+    """Training-mode BatchNorm over the global batch (synchronised across ranks, like SyncBatchNorm)
+    with the same bits at any world size; running statistics updated as torch does. Eval: plain."""
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        if x.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {x.dim()}D input)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return super().forward(x)
+        with torch.autocast(x.device.type, enabled=False):
+            y, mean, var, count = _BatchNormFn.apply(x, self.weight, self.bias, self.eps, _world())
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked += 1
+                momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                total = float(count)
+                self.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+                self.running_var.mul_(1 - momentum).add_(var * (total / max(total - 1.0, 1.0)), alpha=momentum)
+        return y
+
+
+class _Conv2dFn(torch.autograd.Function):
+    """Convolution whose weight and bias gradients are fp64 sums over the global batch."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, dtype, world):
+        xc, wc = x.to(dtype), weight.to(dtype)
+        y = F.conv2d(xc, wc, None if bias is None else bias.to(dtype), stride, padding, dilation)
+        ctx.save_for_backward(xc, wc)
+        ctx.conf = (stride, padding, dilation, world, bias is not None, x.dtype, weight.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xc, wc = ctx.saved_tensors
+        stride, padding, dilation, world, has_bias, x_dtype, w_dtype = ctx.conf
+        dy = dy.to(xc.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.ops.aten.convolution_backward(
+                dy, xc, wc, None, stride, padding, dilation, False, [0, 0], 1, [True, False, False])[0].to(x_dtype)
+        # grad_w[:, :, i, j] = sum over (n, h, w) of dy (x) the input window at kernel offset (i, j): one fp64
+        # GEMM per offset over channels-last views, no im2col buffer
+        c_out, c_in, kh, kw = wc.shape
+        (ph, pw), (sh, sw), (dh, dw), (ho, wo) = padding, stride, dilation, dy.shape[2:]
+        xp = F.pad(xc, (pw, pw, ph, ph)).permute(0, 2, 3, 1)  # N, H + 2ph, W + 2pw, C_in
+        dyt = dy.permute(0, 2, 3, 1).reshape(-1, c_out).double()  # (N*Ho*Wo, C_out)
+        grad_w64 = torch.empty(c_out, c_in, kh, kw, dtype=torch.float64)
+        for i in range(kh):
+            for j in range(kw):
+                window = xp[:, i * dh: i * dh + sh * (ho - 1) + 1: sh, j * dw: j * dw + sw * (wo - 1) + 1: sw]
+                grad_w64[:, :, i, j] = dyt.t() @ window.reshape(-1, c_in).double()
+        parts = [grad_w64.flatten()] + ([dyt.sum(0)] if has_bias else [])
+        flat = _global_sum(torch.cat(parts), world) / world
+        grad_w = flat[:wc.numel()].view(wc.shape).to(w_dtype)
+        grad_b = flat[wc.numel():].to(w_dtype) if has_bias else None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+class ExactConv2d(nn.Conv2d):
+    """nn.Conv2d (groups 1, zero padding) whose gradients are world-size exact when training."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and torch.is_grad_enabled()):
+            return super().forward(x)
+        dtype = _compute_dtype(x, self.weight)
+        with torch.autocast(x.device.type, enabled=False):
+            return _Conv2dFn.apply(x, self.weight, self.bias, self.stride, self.padding, self.dilation, dtype,
+                                   _world())
+
+
+class _LinearFn(torch.autograd.Function):
+    """Linear layer whose weight and bias gradients are fp64 sums over the global batch."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype, world):
+        xc, wc = x.to(dtype), weight.to(dtype)
+        y = F.linear(xc, wc, None if bias is None else bias.to(dtype))
+        ctx.save_for_backward(xc, wc)
+        ctx.conf = (world, bias is not None, x.dtype, weight.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xc, wc = ctx.saved_tensors
+        world, has_bias, x_dtype, w_dtype = ctx.conf
+        dy = dy.to(xc.dtype)
+        grad_x = (dy @ wc).to(x_dtype) if ctx.needs_input_grad[0] else None
+        dyd, xd = dy.double().reshape(-1, wc.shape[0]), xc.double().reshape(-1, wc.shape[1])
+        parts = [(dyd.t() @ xd).flatten()] + ([dyd.sum(0)] if has_bias else [])
+        flat = _global_sum(torch.cat(parts), world) / world
+        grad_w = flat[:wc.numel()].view(wc.shape).to(w_dtype)
+        grad_b = flat[wc.numel():].to(w_dtype) if has_bias else None
+        return grad_x, grad_w, grad_b, None, None
+
+
+class ExactLinear(nn.Linear):
+    """nn.Linear whose gradients are world-size exact when training."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and torch.is_grad_enabled()):
+            return super().forward(x)
+        dtype = _compute_dtype(x, self.weight)
+        with torch.autocast(x.device.type, enabled=False):
+            return _LinearFn.apply(x, self.weight, self.bias, dtype, _world())
+
+
+def make_exact(model: nn.Module) -> nn.Module:
+    """The model with its Conv2d, Linear and BatchNorm layers made world-size exact (in place: same
+    parameters and buffers, so the state dict and a rebuilt plain model load each other). Raises
+    ValueError naming the first layer this mode cannot make exact."""
+    for name, module in model.named_modules():
+        if type(module) is nn.Conv2d:
+            if module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str):
+                raise ValueError(f"distributed.exact: layer {name!r} is a Conv2d with groups={module.groups}, "
+                                 f"padding={module.padding!r}, padding_mode={module.padding_mode!r}; accepted: "
+                                 "groups 1 and numeric zero padding")
+            module.__class__ = ExactConv2d
+        elif type(module) is nn.Linear:
+            module.__class__ = ExactLinear
+        elif isinstance(module, _BatchNorm):
+            if not module.affine:
+                raise ValueError(f"distributed.exact: layer {name!r} is a BatchNorm without affine parameters; "
+                                 "accepted: affine BatchNorm")
+            module.__class__ = ExactBatchNorm
+        elif not isinstance(module, (ExactConv2d, ExactLinear, ExactBatchNorm)) and \
+                any(True for _ in module.parameters(recurse=False)):
+            raise ValueError(f"distributed.exact: layer {name!r} ({type(module).__name__}) has parameters but no "
+                             "world-size-exact implementation; accepted: Conv2d, Linear and BatchNorm layers")
+    return model
+
+
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """Gradient clipping whose norm is an fp64 sum, so the same gradients give the same factor at
+    any thread count (torch's clip_grad_norm_ sums in fp32, in an order that depends on threads)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
+    factor = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(factor.to(g.dtype))
+    return total
