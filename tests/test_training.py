@@ -44,7 +44,8 @@ def test_one_and_two_processes_end_as_close_as_float_rounding_allows(tmp_path: P
     order of its sums). Measured here: on this test's data 6.1%, 7.0% and 79% (another seed); on
     Fashion-MNIST (2,048 samples, the default model) 18.5%, 18.9% and 91%. So issue 3's "within 1e-3"
     is below what rounding alone produces, and at this distance a real defect hides in the noise
-    (2 processes without SyncBatchNorm: 28%); the test below is the one that tells them apart."""
+    (2 processes without SyncBatchNorm: 28%); the test below is the one that tells them apart, and
+    distributed.exact removes the rounding differences altogether (tests/test_exact.py: 0.0)."""
     common = ["train.lr_scaling=none", "train.hflip=true"]
     one, threads, two, other = (tmp_path / name for name in ("one", "one-thread", "two", "other-seed"))
     run(torchrun(1, *args_for(one, prepared, *common, "train.batch_size_per_rank=64",
