@@ -175,6 +175,28 @@ def print0(*args: object, info: DistInfo | None = None, **kwargs: object) -> Non
 # SyncBatchNorm
 
 
+def affine(t: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``t * scale + shift`` per channel in one fused pass: eval-mode batch_norm with mean 0, var 1
+    and eps 0 is exactly that, and keeps bf16 activations bf16 (mixed bf16/fp32 addcmul was the
+    slowest op of a step)."""
+    zeros, ones = torch.zeros_like(scale), torch.ones_like(scale)
+    return torch.batch_norm(t, scale, shift, zeros, ones, False, 0.0, 0.0, False)
+
+
+def batchnorm_input_grad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
+                         invstd: torch.Tensor, mean_dy: torch.Tensor, mean_dy_xhat: torch.Tensor) -> torch.Tensor:
+    """dx = w * invstd * (dy - mean(dy) - x_hat * mean(dy * x_hat)), the means over the global batch, as
+    two fused per-channel affine maps of dy and x. The per-channel coefficients are computed in the
+    dtype they come in (fp64 for the exact mode) and rounded to fp32 once."""
+    a = weight * invstd
+    b = -a * invstd * mean_dy_xhat
+    offset = -a * mean_dy - b * mean
+    a, b, offset = a.float(), b.float(), offset.float()
+    dx = affine(dy, a, offset)
+    dx += affine(x, b, torch.zeros_like(b))
+    return dx
+
+
 class _SyncBatchNormFunction(torch.autograd.Function):
     """Batch normalisation over the union of every rank's batch, with a hand-written backward.
 
@@ -216,15 +238,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         dist.all_reduce(both)
         c = x.shape[1]
         mean_dy, mean_dy_xhat = (both[:c] / ctx.total).float(), (both[c:] / ctx.total).float()
-        # dx = w * invstd * (dy - mean(dy) - x_hat * mean(dy * x_hat)), means over all ranks
-        a = weight.float() * invstd
-        b = -a * invstd * mean_dy_xhat
-        offset = -a * mean_dy - b * mean
-        # Two fused per-channel affine maps (eval-mode batch_norm with mean 0, var 1, eps 0):
-        # mixed bf16/fp32 addcmul was the slowest op of a step.
-        zeros, ones = torch.zeros_like(a), torch.ones_like(a)
-        dx = torch.batch_norm(dy, a, offset, zeros, ones, False, 0.0, 0.0, False)
-        dx += torch.batch_norm(x, b, zeros, zeros, ones, False, 0.0, 0.0, False)
+        dx = batchnorm_input_grad(dy, x, weight.float(), mean, invstd, mean_dy, mean_dy_xhat)
         return dx.to(x.dtype), grad_weight.to(weight.dtype), grad_bias.to(weight.dtype), None
 
 

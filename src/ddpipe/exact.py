@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ddpipe.distributed import CPUSyncBatchNorm, affine, batchnorm_input_grad
+
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -43,6 +45,16 @@ def _global_sum(t: torch.Tensor, world: int) -> torch.Tensor:
     return t
 
 
+def _param_grads(grad_w: torch.Tensor, grad_b: torch.Tensor | None, world: int,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Local fp64 weight (and bias) gradients -> global sum / world size, rounded once to ``dtype``;
+    one all-reduce for both."""
+    flat = torch.cat([grad_w.flatten()] + ([grad_b] if grad_b is not None else []))
+    flat = _global_sum(flat, world) / world
+    n = grad_w.numel()
+    return flat[:n].view(grad_w.shape).to(dtype), (flat[n:].to(dtype) if grad_b is not None else None)
+
+
 def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """What autocast would run the layer in (bf16 under bf16 autocast), else the weight's dtype."""
     kind = x.device.type
@@ -53,13 +65,6 @@ def _per_sample_sums(t: torch.Tensor) -> torch.Tensor:
     """fp32 sums over everything but the batch and channel dimensions, shape (N, C): each sample's
     sum is reduced in an order fixed by its own shape, so it has the same bits in any batch."""
     return t.sum(tuple(range(2, t.dim())), dtype=torch.float32) if t.dim() > 2 else t.float()
-
-
-def _affine(t: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """``t * scale + shift`` per channel, one fused pass (eval-mode batch_norm with mean 0, var 1,
-    eps 0 is exactly that), keeping bf16 activations bf16."""
-    zeros, ones = torch.zeros_like(scale), torch.ones_like(scale)
-    return torch.batch_norm(t, scale, shift, zeros, ones, False, 0.0, 0.0, False)
 
 
 class _BatchNormFn(torch.autograd.Function):
@@ -75,7 +80,7 @@ class _BatchNormFn(torch.autograd.Function):
         var = (sums[c:2 * c] / count - mean * mean).clamp_min(0.0)
         invstd = torch.rsqrt(var + eps)
         scale = weight.double() * invstd
-        y = _affine(x, scale.float(), (bias.double() - mean * scale).float())
+        y = affine(x, scale.float(), (bias.double() - mean * scale).float())
         ctx.save_for_backward(x, weight, mean, invstd, count)
         ctx.world = world
         return y, mean.float(), var.float(), count
@@ -87,36 +92,22 @@ class _BatchNormFn(torch.autograd.Function):
         parts = torch.stack([_per_sample_sums(dyf), _per_sample_sums(dyf * xf)]).double().sum(1).flatten()
         sum_dy, sum_dy_x = _global_sum(parts, ctx.world).view(2, -1)
         sum_dy_xhat = (sum_dy_x - mean * sum_dy) * invstd
-        # dx = w * invstd * (dy - mean(dy) - x_hat * mean(dy * x_hat)), means over the global batch
-        a = weight.double() * invstd
-        b = -a * invstd * sum_dy_xhat / count
-        c = -a * sum_dy / count - b * mean
-        dx = _affine(dyf, a.float(), c.float())
-        dx += _affine(xf, b.float(), torch.zeros_like(b, dtype=torch.float32))
+        dx = batchnorm_input_grad(dyf, xf, weight.double(), mean, invstd, sum_dy / count, sum_dy_xhat / count)
         return (dx.to(x.dtype), (sum_dy_xhat / ctx.world).to(weight.dtype), (sum_dy / ctx.world).to(weight.dtype),
                 None, None)
 
 
-class ExactBatchNorm(_BatchNorm):
+class ExactBatchNorm(CPUSyncBatchNorm):
     """Training-mode BatchNorm over the global batch (synchronised across ranks, like SyncBatchNorm)
     with the same bits at any world size; running statistics updated as torch does. Eval: plain."""
 
-    def _check_input_dim(self, x: torch.Tensor) -> None:
-        if x.dim() < 2:
-            raise ValueError(f"expected at least 2D input (got {x.dim()}D input)")
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
-            return super().forward(x)
+            return _BatchNorm.forward(self, x)
         with torch.autocast(x.device.type, enabled=False):
             y, mean, var, count = _BatchNormFn.apply(x, self.weight, self.bias, self.eps, _world())
         if self.track_running_stats:
-            with torch.no_grad():
-                self.num_batches_tracked += 1
-                momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
-                total = float(count)
-                self.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
-                self.running_var.mul_(1 - momentum).add_(var * (total / max(total - 1.0, 1.0)), alpha=momentum)
+            self._update_running_stats(mean.detach(), var.detach(), float(count))
         return y
 
 
@@ -151,23 +142,27 @@ class _Conv2dFn(torch.autograd.Function):
             for j in range(kw):
                 window = xp[:, i * dh: i * dh + sh * (ho - 1) + 1: sh, j * dw: j * dw + sw * (wo - 1) + 1: sw]
                 grad_w64[:, :, i, j] = dyt.t() @ window.reshape(-1, c_in).double()
-        parts = [grad_w64.flatten()] + ([dyt.sum(0)] if has_bias else [])
-        flat = _global_sum(torch.cat(parts), world) / world
-        grad_w = flat[:wc.numel()].view(wc.shape).to(w_dtype)
-        grad_b = flat[wc.numel():].to(w_dtype) if has_bias else None
+        grad_w, grad_b = _param_grads(grad_w64, dyt.sum(0) if has_bias else None, world, w_dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
-class ExactConv2d(nn.Conv2d):
-    """nn.Conv2d (groups 1, zero padding) whose gradients are world-size exact when training."""
+class _ExactLayer(nn.Module):
+    """Training with gradients: the layer's exact autograd function, run in the dtype autocast would
+    pick (autocast itself off inside); otherwise the plain layer's forward."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training and torch.is_grad_enabled()):
             return super().forward(x)
         dtype = _compute_dtype(x, self.weight)
         with torch.autocast(x.device.type, enabled=False):
-            return _Conv2dFn.apply(x, self.weight, self.bias, self.stride, self.padding, self.dilation, dtype,
-                                   _world())
+            return self._exact(x, dtype, _world())
+
+
+class ExactConv2d(_ExactLayer, nn.Conv2d):
+    """nn.Conv2d (groups 1, zero padding) whose gradients are world-size exact when training."""
+
+    def _exact(self, x: torch.Tensor, dtype: torch.dtype, world: int) -> torch.Tensor:
+        return _Conv2dFn.apply(x, self.weight, self.bias, self.stride, self.padding, self.dilation, dtype, world)
 
 
 class _LinearFn(torch.autograd.Function):
@@ -188,22 +183,15 @@ class _LinearFn(torch.autograd.Function):
         dy = dy.to(xc.dtype)
         grad_x = (dy @ wc).to(x_dtype) if ctx.needs_input_grad[0] else None
         dyd, xd = dy.double().reshape(-1, wc.shape[0]), xc.double().reshape(-1, wc.shape[1])
-        parts = [(dyd.t() @ xd).flatten()] + ([dyd.sum(0)] if has_bias else [])
-        flat = _global_sum(torch.cat(parts), world) / world
-        grad_w = flat[:wc.numel()].view(wc.shape).to(w_dtype)
-        grad_b = flat[wc.numel():].to(w_dtype) if has_bias else None
+        grad_w, grad_b = _param_grads(dyd.t() @ xd, dyd.sum(0) if has_bias else None, world, w_dtype)
         return grad_x, grad_w, grad_b, None, None
 
 
-class ExactLinear(nn.Linear):
+class ExactLinear(_ExactLayer, nn.Linear):
     """nn.Linear whose gradients are world-size exact when training."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.training and torch.is_grad_enabled()):
-            return super().forward(x)
-        dtype = _compute_dtype(x, self.weight)
-        with torch.autocast(x.device.type, enabled=False):
-            return _LinearFn.apply(x, self.weight, self.bias, dtype, _world())
+    def _exact(self, x: torch.Tensor, dtype: torch.dtype, world: int) -> torch.Tensor:
+        return _LinearFn.apply(x, self.weight, self.bias, dtype, world)
 
 
 def make_exact(model: nn.Module) -> nn.Module:
