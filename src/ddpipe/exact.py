@@ -107,7 +107,7 @@ class ExactBatchNorm(CPUSyncBatchNorm):
         with torch.autocast(x.device.type, enabled=False):
             y, mean, var, count = _BatchNormFn.apply(x, self.weight, self.bias, self.eps, _world())
         if self.track_running_stats:
-            self._update_running_stats(mean.detach(), var.detach(), float(count))
+            self._update_running_stats(mean.detach(), var.detach(), float(count.detach()))
         return y
 
 
