@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from common import REPO, append_jsonl, markdown_table, remove, temp_dir, write_j
 
 from ddpipe.config import Config, load_config
 from ddpipe.distributed import DistInfo
-from ddpipe.models import build_model
+from ddpipe.models import build_model, save_model
 from ddpipe.tracking import MlflowTracker
 from ddpipe.training import EpochStats
 
@@ -71,22 +72,27 @@ def epoch_metrics(epoch: int) -> dict[str, float]:
 def measure(cfg: Config, epochs: int) -> dict[str, float]:
     info = DistInfo(False, 0, 0, 1, 1, 1, torch.device("cpu"), None)
     model = build_model(cfg.model, 1, 10).eval()
-    example = torch.randn(4, 1, 28, 28).numpy()
+    model_path = Path(cfg.paths.checkpoints) / "model.pt"
+    meta = {"num_channels": 1, "classes": [str(i) for i in range(10)], "mean": [0.5], "std": [0.25],
+            "image_size": [28, 28]}
+    save_model(model.state_dict(), cfg.model, meta, model_path)
+    example = torch.randint(0, 256, (4, 28, 28), dtype=torch.uint8).numpy()
     extra = derived(cfg, sum(p.numel() for p in model.parameters()))
+    markers = Path(cfg.paths.checkpoints)
     out: dict[str, float] = {"import_mlflow_s": timed(lambda: __import__("mlflow"))}
 
-    first = MlflowTracker(cfg.mlflow)
-    out["start_new_store_s"] = timed(lambda: first.start(cfg, info, extra))
+    first = MlflowTracker(cfg.mlflow, info)
+    out["start_new_store_s"] = timed(lambda: first.start(cfg, extra, None, markers))
     checked(first, "start (new store)")
     first.finish()
 
-    tracker = MlflowTracker(cfg.mlflow)
-    out["start_s"] = timed(lambda: tracker.start(cfg, info, extra))
+    tracker = MlflowTracker(cfg.mlflow, info)
+    out["start_s"] = timed(lambda: tracker.start(cfg, extra, None, markers))
     checked(tracker, "start")
     metrics_s = timed(lambda: [tracker.log_metrics(epoch_metrics(e), step=e) for e in range(epochs)])
     checked(tracker, "log_metrics")
     out["log_metrics_per_epoch_s"] = metrics_s / epochs
-    out["log_model_s"] = timed(lambda: tracker.log_model(model, example))
+    out["log_model_s"] = timed(lambda: tracker.log_model(model_path, example, cfg))
     checked(tracker, "log_model")
     out["finish_s"] = timed(tracker.finish)
     checked(tracker, "finish")
@@ -97,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     tmp = temp_dir("tracking-")
     try:
-        cfg = load_config([f"mlflow.tracking_uri=sqlite:///{tmp / 'mlflow.db'}"],
+        cfg = load_config([f"mlflow.tracking_uri=sqlite:///{tmp / 'mlflow.db'}", f"paths.checkpoints={tmp}"],
                           params_file=REPO / "params.yaml")
         epochs = args.epochs or cfg.num_epochs
         result = measure(cfg, epochs)

@@ -33,7 +33,14 @@ def main() -> None:
 
         print(resolve_nproc(cfg.distributed))
         return
-    train(cfg)
+    from ddpipe.distributed import Terminated
+
+    try:
+        train(cfg)
+    except Terminated as exc:  # 128 + signal number, as a shell reports a process the signal ended
+        print(f"training stopped: {exc}; its MLflow run is KILLED (the next run resumes from the newest "
+              "checkpoint)", file=sys.stderr, flush=True)
+        raise SystemExit(128 + exc.signum) from None
 
 
 if __name__ == "__main__":

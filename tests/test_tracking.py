@@ -16,7 +16,7 @@ import torch
 
 from ddpipe.config import Config, MlflowConfig, load_config
 from ddpipe.distributed import DistInfo
-from ddpipe.tracking import MlflowTracker, NullTracker, make_tracker, tracking_uri
+from ddpipe.tracking import MlflowTracker, NullTracker, dvc_hash, make_tracker, tracking_uri
 from tests.conftest import CLONE_ENV, CLONE_PARAMS, FASHION_DIR, PARAMS, VENV_BIN, args_for, clone_repo, free_port, run
 
 
@@ -45,7 +45,8 @@ def test_tracking_uri_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 @pytest.mark.slow
 def test_training_and_evaluation_make_one_complete_run(tmp_path: Path, prepared: Path) -> None:
     args = args_for(tmp_path, prepared, "mlflow.experiment_name=unit")
-    run(["python", "stages/train.py", *args], env={"DVC_EXP_NAME": "my-exp"})
+    trained = run(["python", "stages/train.py", *args],
+                  env={"DVC_EXP_NAME": "my-exp", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"})
     run(["python", "stages/evaluate.py", *args])
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = _client(uri)
@@ -54,23 +55,36 @@ def test_training_and_evaluation_make_one_complete_run(tmp_path: Path, prepared:
     assert len(runs) == 1
     r = runs[0]
     assert r.info.run_name == "my-exp" and r.info.status == "FINISHED"
+    assert r.data.tags["ddpipe.end_reason"] == "completed"
+    assert f"#/experiments/{exp.experiment_id}?workflowType=machine_learning" in trained.stdout
     cfg = load_config(args, params_file=PARAMS)
     assert r.data.params["num_epochs"] == "2" and r.data.params["train.base_lr"] == str(cfg.train.base_lr)
     assert r.data.params["world_size"] == "1" and "effective_lr" in r.data.params
     for tag in ("git_commit", "git_dirty", "world_size", "backend", "device_type", "torch_version", "host"):
         assert tag in r.data.tags, tag
     history = client.get_metric_history(r.info.run_id, "val_accuracy")
-    assert [m.step for m in history] == [0, 1]
+    assert [m.step for m in history] == [1, 2]  # epochs counted from 1, as in DVC's history
     assert "test_accuracy" in r.data.metrics and "test_macro_f1" in r.data.metrics
     artifacts = {a.path for a in client.list_artifacts(r.info.run_id, "evaluation")}
     assert {"evaluation/confusion_matrix.png", "evaluation/misclassified.png"} <= artifacts
 
-    import mlflow.pytorch
+    # MLflow's system metrics, filed under this node; the prepared data as the run's dataset input
+    assert any(k.startswith("system/node0/") for k in r.data.metrics), sorted(r.data.metrics)
+    (dataset_input,) = client.get_run(r.info.run_id).inputs.dataset_inputs
+    assert dataset_input.dataset.name == "mnist" and dataset_input.dataset.digest == dvc_hash(prepared)
+    # the exported epoch is the best validation epoch (train.export: best)
+    history = {h.step: h.value for h in client.get_metric_history(r.info.run_id, "val_accuracy")}
+    assert r.data.metrics["exported_epoch"] == r.data.metrics["best_epoch"] == max(history, key=history.get)
+
+    import mlflow.pyfunc
 
     mlflow.set_tracking_uri(uri)
-    model = mlflow.pytorch.load_model(f"runs:/{r.info.run_id}/model")
+    model = mlflow.pyfunc.load_model(f"runs:/{r.info.run_id}/model")
+    assert model.metadata.metadata["classes"] == [str(i) for i in range(10)]
     for batch in (1, 7):
-        assert model(torch.zeros(batch, 1, 28, 28)).shape == (batch, 10)
+        out = model.predict(np.zeros((batch, 28, 28), dtype=np.uint8))
+        assert list(out.columns) == ["label", "class_index", "probability", "probabilities"] and len(out) == batch
+        assert np.allclose([sum(p) for p in out["probabilities"]], 1.0)
     run_info = json.loads((tmp_path / "run.json").read_text())
     assert run_info["run_id"] == r.info.run_id
 
@@ -125,11 +139,12 @@ def test_tracking_server_down_costs_bounded_time_and_training_completes(tmp_path
     assert len(list((tmp_path / "ckpt").glob("ckpt-*.pt"))) == 1
 
 
-def test_tracker_failure_is_contained(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tracker_failure_is_contained(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    tracker = MlflowTracker(MlflowConfig(tracking_uri="http://127.0.0.1:9"))  # nothing listens there
+    info = DistInfo(False, 0, 0, 1, 1, 1, torch.device("cpu"), None)
+    tracker = MlflowTracker(MlflowConfig(tracking_uri="http://127.0.0.1:9"), info)  # nothing listens there
     with pytest.warns(RuntimeWarning, match="training goes on without tracking"):
-        tracker.start(Config(), DistInfo(False, 0, 0, 1, 1, 1, torch.device("cpu"), None), {})
+        tracker.start(Config(), {}, None, tmp_path)
     assert tracker.run_id is None and not tracker.enabled
     tracker.log_metrics({"x": 1.0}, step=0)  # silently off from now on
 
@@ -167,11 +182,11 @@ def test_dvc_exp_run_is_one_named_mlflow_run(tmp_path: Path) -> None:
     shown = json.loads(run(["dvc", "exp", "show", "--json"], cwd=clone).stdout)
     text = json.dumps(shown)
     assert "tiny-exp" in text and '"accuracy"' in text
-    import mlflow.pytorch
+    import mlflow.pyfunc
 
     mlflow.set_tracking_uri(f"sqlite:///{clone}/mlflow.db")
-    model = mlflow.pytorch.load_model(f"runs:/{r.info.run_id}/model")
-    assert model(torch.from_numpy(np.zeros((3, 1, 28, 28), dtype=np.float32))).shape == (3, 10)
+    model = mlflow.pyfunc.load_model(f"runs:/{r.info.run_id}/model")
+    assert len(model.predict(np.zeros((3, 1, 28, 28), dtype=np.uint8))) == 3
 
 
 @pytest.mark.slow

@@ -102,6 +102,13 @@ class TrainConfig:
         0, "Also checkpoint every N optimizer steps within an epoch (0 = at epoch ends only).", ge=0
     )
     keep_checkpoints: int = _p(2, "How many newest checkpoints to keep.", ge=1)
+    export: str = _p(
+        "best", "Which weights become paths.model and the logged model: the epoch with the best validation "
+        "accuracy (the earliest on ties) or the last epoch.", choices=("best", "last"),
+    )
+    early_stopping_patience: Optional[int] = _p(
+        None, "Stop after this many epochs without a better validation accuracy (null = off).", ge=1
+    )
     progress_bar: bool = _p(True, "tqdm progress bar on rank 0.")
 
 
@@ -135,7 +142,18 @@ class MlflowConfig:
         None, "Where runs go. MLFLOW_TRACKING_URI wins; null: sqlite:///<repo root>/mlflow.db."
     )
     experiment_name: str = _p("ddpipe", "MLflow experiment the runs are filed under.")
-    log_model: bool = _p(True, "Log the final model with mlflow.pytorch.log_model.")
+    log_model: bool = _p(
+        True, "Log the exported model (train.export) as an MLflow pyfunc model that takes images as clients have "
+        "them and returns class probabilities and names.")
+    registered_model_name: Optional[str] = _p(
+        None, "Also register the logged model under this name (a version tagged with the DVC experiment and "
+        "git commit); null: no registration.")
+    sweep: Optional[str] = _p(
+        None, "Name of the sweep this run belongs to: runs with the same name are nested under one parent run "
+        "of that name (dvc exp run --queue -S mlflow.sweep=NAME ...); null: a top-level run.")
+    log_system_metrics: bool = _p(
+        True, "MLflow's system metrics (CPU, memory, GPU) every 10 s: rank 0's node into a local store, every "
+        "node into a tracking server.")
 
 
 @dataclass
@@ -147,7 +165,8 @@ class PathsConfig:
     run_info: str = _p("models/run.json", "The MLflow run id the evaluate stage logs to.")
     train_metrics: str = _p("metrics/train.json", "Final training metrics (DVC metrics).")
     history: str = _p("metrics/history.csv", "Per-epoch training curves (DVC plots).")
-    test_metrics: str = _p("metrics/test.json", "Test-split metrics (DVC metrics).")
+    test_metrics: str = _p("metrics/test.json", "Test-split accuracy, macro-F1, loss (DVC metrics).")
+    per_class: str = _p("metrics/per_class.csv", "Test-split precision, recall and F1 per class (DVC plots).")
     confusion: str = _p("metrics/confusion.csv", "Test predictions for DVC's confusion plot.")
     reports: str = _p("reports", "Evaluate stage images: confusion matrix, misclassified samples.")
 

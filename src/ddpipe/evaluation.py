@@ -1,6 +1,7 @@
 """The evaluate stage: test-split metrics, DVC metrics/plots files, images, and MLflow logging.
 
-Writes ``paths.test_metrics`` (accuracy, loss, macro-F1, per-class precision/recall: DVC metrics),
+Writes ``paths.test_metrics`` (accuracy, macro-F1, loss: the DVC metrics ``dvc exp show`` lists),
+``paths.per_class`` (precision, recall and F1 per class: a DVC plot, out of the metrics table),
 ``paths.confusion`` (one row per test image, for DVC's confusion template), and in
 ``paths.reports`` a confusion-matrix PNG and a grid of misclassified images; all of it is logged to
 the MLflow run the train stage recorded in ``paths.run_info``.
@@ -8,19 +9,19 @@ the MLflow run the train stage recorded in ``paths.run_info``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ddpipe.config import Config
-from ddpipe.data import BatchTransform, InMemoryDataset
-from ddpipe.distributed import DistInfo, cpu_count
+from ddpipe.data import InMemoryDataset
+from ddpipe.distributed import cpu_count
 from ddpipe.fsutil import atomic_open, atomic_write_json, atomic_write_text
-from ddpipe.tracking import MlflowTracker
-from ddpipe.training import evaluate_split, load_model
+from ddpipe.inference import ImageClassifier
+from ddpipe.tracking import RunLogger
 
 
 def classification_metrics(labels: np.ndarray, preds: np.ndarray, classes: list[str]) -> dict:
@@ -34,57 +35,65 @@ def classification_metrics(labels: np.ndarray, preds: np.ndarray, classes: list[
     return {
         "accuracy": float(tp.sum() / max(1, cm.sum())),
         "macro_f1": float(f1.mean()),
-        "per_class": {c: {"precision": round(float(p), 6), "recall": round(float(r), 6)}
-                      for c, p, r in zip(classes, precision, recall)},
+        "per_class": {c: {"precision": round(float(p), 6), "recall": round(float(r), 6), "f1": round(float(f), 6)}
+                      for c, p, r, f in zip(classes, precision, recall, f1)},
         "confusion_matrix": cm,
     }
 
 
 def evaluate(cfg: Config) -> dict:
-    """Evaluate ``paths.model`` on the held-out test split and write every output."""
+    """Evaluate ``paths.model`` on the held-out test split and write every output.
+
+    Predictions come from :class:`ImageClassifier` on the CPU, the code path of the logged MLflow
+    model, so a served model answers exactly what is measured here."""
     torch.set_num_threads(cpu_count())
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    info = DistInfo(False, 0, 0, 1, 1, 1, device, None)
-    model, payload = load_model(cfg.paths.model)
-    model = model.to(device)
+    classifier = ImageClassifier.load(cfg.paths.model)
     test = InMemoryDataset.load(cfg.paths.prepared, "test")
-    transform = BatchTransform(payload["mean"], payload["std"], 0, False, cfg.seed, device, False)
-    loss, acc, logits = evaluate_split(model, test, transform, info, cfg.train.eval_batch_size_per_rank,
-                                       contextlib.nullcontext, device.type == "cuda", keep_outputs=True)
-    classes = payload["classes"]
+    size = cfg.train.eval_batch_size_per_rank
+    logits = torch.cat([classifier.logits(test.images[i:i + size]) for i in range(0, len(test), size)])
+    loss = F.cross_entropy(logits, test.labels, reduction="none").double().mean().item()
+    classes = classifier.classes
     labels, preds = test.labels.numpy(), logits.argmax(1).numpy()
     m = classification_metrics(labels, preds, classes)
-    assert abs(m["accuracy"] - acc) < 1e-9, "argmax accuracy disagrees with the evaluation loop"
-    metrics = {"test": {"accuracy": m["accuracy"], "loss": loss, "macro_f1": m["macro_f1"],
-                        "num_samples": int(len(labels)), "per_class": m["per_class"]}}
+    metrics = {"test": {"accuracy": m["accuracy"], "macro_f1": m["macro_f1"], "loss": loss,
+                        "num_samples": int(len(labels))}}
+    if classifier.exported_epoch is not None:
+        metrics["test"]["model_epoch"] = int(classifier.exported_epoch)
     atomic_write_json(cfg.paths.test_metrics, metrics)
+    atomic_write_text(cfg.paths.per_class, per_class_csv(m["per_class"]))
     rows = ["actual,predicted"] + [f"{classes[a]},{classes[p]}" for a, p in zip(labels, preds)]
     atomic_write_text(cfg.paths.confusion, "\n".join(rows) + "\n")
     reports = Path(cfg.paths.reports)
     plot_confusion(m["confusion_matrix"], classes, reports / "confusion_matrix.png")
     plot_misclassified(test.images, labels, preds, classes, reports / "misclassified.png")
-    _log_to_run(cfg, metrics["test"], reports)
-    return metrics
+    _log_to_run(cfg, metrics["test"], m["per_class"], reports)
+    return {**metrics, "per_class": m["per_class"]}
 
 
-def _log_to_run(cfg: Config, test: dict, reports: Path) -> None:
+def per_class_csv(per_class: dict[str, dict[str, float]]) -> str:
+    """One row per class (precision, recall, F1): DVC plots it; ``dvc exp show`` keeps to the headline."""
+    rows = ["class,precision,recall,f1"] + [f"{name},{v['precision']:.6f},{v['recall']:.6f},{v['f1']:.6f}"
+                                            for name, v in per_class.items()]
+    return "\n".join(rows) + "\n"
+
+
+def _log_to_run(cfg: Config, test: dict, per_class: dict, reports: Path) -> None:
     run_info = Path(cfg.paths.run_info)
     run_id = json.loads(run_info.read_text()).get("run_id") if run_info.is_file() else ""
     if not run_id:
         print(f"note: no MLflow run recorded in {run_info}; test metrics are in {cfg.paths.test_metrics} only")
         return
-    tracker = MlflowTracker(cfg.mlflow)
-    tracker.resume(run_id)
+    tracker = RunLogger(cfg.mlflow, run_id)  # the run keeps the status the training gave it
     flat = {"test_accuracy": test["accuracy"], "test_loss": test["loss"], "test_macro_f1": test["macro_f1"]}
-    for name, pc in test["per_class"].items():
+    for name, pc in per_class.items():
         key = "".join(ch if ch.isalnum() else "_" for ch in name)
         flat[f"test_precision_{key}"] = pc["precision"]
         flat[f"test_recall_{key}"] = pc["recall"]
     tracker.log_metrics(flat)
     tracker.log_artifact(cfg.paths.test_metrics, "evaluation")
+    tracker.log_artifact(cfg.paths.per_class, "evaluation")
     for png in sorted(reports.glob("*.png")):
         tracker.log_artifact(png, "evaluation")
-    tracker.finish()
 
 
 def plot_confusion(cm: np.ndarray, classes: list[str], path: Path) -> None:

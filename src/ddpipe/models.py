@@ -1,15 +1,19 @@
-"""Networks. No distributed code here: the trainer converts BatchNorm and wraps in DDP.
+"""Networks and their saved file. No distributed code here: the trainer converts BatchNorm and wraps in DDP.
 
 ``build_model(cfg, num_channels, num_classes)`` is also what rebuilds a saved model, so the saved
-file (``paths.model``) records exactly these three inputs.
+file (``paths.model``) records exactly these three inputs, plus the input normalisation and class names.
 """
 
 from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from ddpipe.config import ModelConfig
+from ddpipe.fsutil import atomic_save
 
 
 def _conv_bn(c_in: int, c_out: int, stride: int = 1) -> list[nn.Module]:
@@ -91,3 +95,29 @@ def build_model(cfg: ModelConfig, num_channels: int, num_classes: int) -> nn.Mod
     if cfg.name in ("resnet18", "resnet34", "resnet50"):
         return _torchvision_resnet(cfg.name, num_channels, num_classes)
     raise ValueError(f"model.name = {cfg.name!r} is not accepted")  # config validation catches this first
+
+
+# ---------------------------------------------------------------------------------------------
+# The saved model (``paths.model``)
+
+
+def save_model(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, meta: dict, path: str | Path,
+               extra: dict | None = None) -> None:
+    """Weights plus what rebuilds the network, its input normalisation and class names
+    (``torch.load(weights_only=True)``-loadable); ``extra`` adds plain values (e.g. the exported epoch)."""
+    payload = {
+        "state_dict": {k: v.detach().cpu().contiguous() for k, v in state_dict.items()},
+        "model": asdict(cfg),
+        "num_channels": meta["num_channels"], "classes": list(meta["classes"]),
+        "mean": list(meta["mean"]), "std": list(meta["std"]), "image_size": list(meta["image_size"]),
+        **(extra or {}),
+    }
+    atomic_save(path, lambda f: torch.save(payload, f))
+
+
+def load_model(path: str | Path) -> tuple[nn.Module, dict]:
+    """The network saved by :func:`save_model` (on the CPU, in eval mode), and the payload's metadata."""
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    model = build_model(ModelConfig(**payload["model"]), payload["num_channels"], len(payload["classes"]))
+    model.load_state_dict(payload["state_dict"])
+    return model.eval(), payload

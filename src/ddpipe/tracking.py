@@ -4,6 +4,11 @@ One training is one MLflow run at any world size. The training loop calls the tr
 unconditionally. Tracking never kills or hangs training: every call is bounded (short HTTP timeouts,
 few retries), and after the first failure the tracker warns once and turns itself off.
 
+A run's status says how it ended: FINISHED; FAILED (an exception) or KILLED (SIGINT/SIGTERM), with the
+reason in the tag ``ddpipe.end_reason``. A process killed outright (SIGKILL, a lost node) leaves its
+run RUNNING and a marker file in ``paths.checkpoints``: the next attempt reopens that run when it
+resumes the run's checkpoint, and otherwise closes it as FAILED, saying why.
+
 Where runs go: ``MLFLOW_TRACKING_URI`` if set; else ``mlflow.tracking_uri``; else
 ``sqlite:///<repo root>/mlflow.db`` with artifacts in ``<repo root>/mlartifacts``, where the repo
 root is ``$DVC_ROOT`` under DVC (so ``dvc exp run --queue/--temp`` runs, which execute in a copy,
@@ -12,19 +17,26 @@ land in the main repo's store and ``mlflow ui`` started there shows them).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import json
 import os
 import platform
+import signal
 import socket
 import subprocess
+import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from ddpipe import __version__
 from ddpipe.config import Config, MlflowConfig, flatten
-from ddpipe.distributed import DistInfo
+from ddpipe.distributed import DistInfo, Terminated, broadcast_object
+from ddpipe.fsutil import atomic_write_json
 
 # Bounded cost when a tracking server is down or slow (the user's own settings win).
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
@@ -51,6 +63,40 @@ def tracking_uri(cfg: MlflowConfig) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking_uri or default_store()
 
 
+def is_server(uri: str) -> bool:
+    """A tracking server (many hosts may write to it), not a file on this host (sqlite, ./mlruns)."""
+    return uri.split(":", 1)[0] in ("http", "https", "databricks")
+
+
+def runs_view_url(experiment_id: str, host: str = "http://127.0.0.1:5000") -> str:
+    """The experiment's runs table in ``mlflow ui``. MLflow 3 opens an experiment on its GenAI view unless
+    the page says ``workflowType=machine_learning`` (or the browser remembers the toggle)."""
+    return f"{host}/#/experiments/{experiment_id}?workflowType=machine_learning"
+
+
+def dvc_hash(directory: str | Path) -> str:
+    """DVC's hash of a directory (``<md5>.dir``, as in dvc.lock), computed the way DVC does."""
+    from dvc.fs import LocalFileSystem
+    from dvc_data.hashfile.build import build
+    from dvc_data.hashfile.db.local import LocalHashFileDB
+
+    fs = LocalFileSystem()
+    with tempfile.TemporaryDirectory() as scratch:
+        _, _, obj = build(LocalHashFileDB(fs, scratch), str(directory), fs, "md5", dry_run=True)
+    return obj.hash_info.value
+
+
+def end_reason(exc: BaseException) -> tuple[str, str]:
+    """(MLflow status, the ``ddpipe.end_reason`` tag) for a training that ends by raising ``exc``."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "KILLED", "interrupted by SIGINT (Ctrl-C)"
+    if isinstance(exc, Terminated):
+        return "KILLED", f"terminated by {signal.Signals(exc.signum).name} (a scheduler's stop or preemption, " \
+                         "or torchrun forwarding one)"
+    detail = (str(exc).strip().splitlines() or [""])[0][:400]
+    return "FAILED", f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+
+
 def run_name(cfg: Config) -> str:
     return os.environ.get("DVC_EXP_NAME") or f"{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -71,28 +117,67 @@ def git_tags() -> dict[str, str]:
 
 
 class NullTracker:
-    """The tracker on every rank but global rank 0, and when tracking is off: does nothing."""
+    """The tracker on every rank but global rank 0, and when tracking is off: does nothing, but takes
+    part in ``start``'s broadcast of the run id (a collective every rank must join)."""
 
     run_id: str | None = None
 
-    def start(self, cfg: Config, info: DistInfo, derived: dict[str, Any]) -> None: ...
-    def resume(self, run_id: str) -> None: ...
+    def __init__(self, info: DistInfo | None = None) -> None:
+        self.info = info
+
+    def start(self, cfg: Config, derived: dict[str, Any], resume_run_id: str | None, markers: Path) -> None:
+        self.run_id = broadcast_object(None, self.info) if self.info else None
+
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
-    def log_params(self, params: dict[str, Any]) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
-    def log_text(self, text: str, artifact_file: str) -> None: ...
-    def log_model(self, model: Any, input_example: Any) -> None: ...
-    def finish(self, status: str = "FINISHED") -> None: ...
+    def log_model(self, model_path: Path, input_example: Any, cfg: Config) -> None: ...
+    def print_link(self) -> None: ...
+    def finish(self) -> None: ...
+    def end_after(self, exc: BaseException) -> None: ...
+
+
+class NodeMetricsTracker(NullTracker):
+    """Local rank 0 of a node other than rank 0's, when runs go to a tracking server: MLflow's own
+    system-metrics monitor for this node, logging into rank 0's run under ``system/node<i>/``."""
+
+    def __init__(self, cfg: MlflowConfig, info: DistInfo) -> None:
+        super().__init__(info)
+        self.uri, self.monitor = tracking_uri(cfg), None
+
+    def start(self, cfg: Config, derived: dict[str, Any], resume_run_id: str | None, markers: Path) -> None:
+        super().start(cfg, derived, resume_run_id, markers)
+        if self.run_id:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self.monitor = SystemMetricsMonitor(self.run_id, node_id=node_id(self.info), tracking_uri=self.uri,
+                                                resume_logging=resume_run_id is not None)
+            self.monitor.start()
+
+    def finish(self) -> None:
+        if self.monitor is not None:
+            self.monitor.finish()
+            self.monitor = None
+
+    def end_after(self, exc: BaseException) -> None:
+        self.finish()
+
+
+def node_id(info: DistInfo) -> str:
+    """``node<i>``: the node's index in the job (system metrics are filed under ``system/node<i>/``)."""
+    return f"node{info.rank // max(1, info.local_world_size)}"
 
 
 class MlflowTracker(NullTracker):
     """MLflow behind a guard: the first failure warns once and turns tracking off."""
 
-    def __init__(self, cfg: MlflowConfig) -> None:
+    def __init__(self, cfg: MlflowConfig, info: DistInfo | None = None) -> None:
+        super().__init__(info)
         self.cfg = cfg
         self.uri = tracking_uri(cfg)
         self.enabled = True
         self.run_id = None
+        self.experiment_id: str | None = None
+        self.marker: Path | None = None
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         if not self.enabled:
@@ -132,27 +217,48 @@ class MlflowTracker(NullTracker):
         except Exception:  # created meanwhile by a parallel experiment
             return mlflow.get_experiment_by_name(self.cfg.experiment_name).experiment_id
 
-    def start(self, cfg: Config, info: DistInfo, derived: dict[str, Any]) -> None:
+    # -- the run's beginning -------------------------------------------------------------------
+
+    def start(self, cfg: Config, derived: dict[str, Any], resume_run_id: str | None, markers: Path) -> None:
+        """Reopen ``resume_run_id`` (a resumed checkpoint's run) or start a new run (nested under the
+        sweep's parent when ``mlflow.sweep`` is set); close runs that killed attempts left RUNNING."""
+
         def go() -> str:
             mlflow = self._client()
-            exp_id = self._experiment(mlflow)
-            run = mlflow.start_run(experiment_id=exp_id, run_name=run_name(cfg), tags=self._tags(info))
-            params = {**flatten(cfg), **derived}
-            mlflow.log_params({k: "null" if v is None else v for k, v in params.items()})
+            self.experiment_id = self._experiment(mlflow)
+            self._close_orphans(mlflow, markers, keep=resume_run_id)
+            if self.cfg.log_system_metrics and self.info is not None:
+                from mlflow.system_metrics import set_system_metrics_node_id
+
+                set_system_metrics_node_id(node_id(self.info))
+            system = self.cfg.log_system_metrics
+            if resume_run_id:
+                run = mlflow.start_run(run_id=resume_run_id, log_system_metrics=system)
+                attempts = int(run.data.tags.get("ddpipe.attempts", "1")) + 1
+                mlflow.set_tags({"ddpipe.attempts": str(attempts), "ddpipe.end_reason": "running"})
+            else:
+                tags = {**self._tags(), "ddpipe.attempts": "1", "ddpipe.end_reason": "running"}
+                if self.cfg.sweep:
+                    tags.update({"mlflow.parentRunId": self._sweep_parent(mlflow), "ddpipe.sweep": self.cfg.sweep})
+                run = mlflow.start_run(experiment_id=self.experiment_id, run_name=run_name(cfg), tags=tags,
+                                       log_system_metrics=system)
+                params = {**flatten(cfg), **derived}
+                mlflow.log_params({k: "null" if v is None else v for k, v in params.items()})
+                try:
+                    self._log_dataset(mlflow, cfg)
+                except Exception as exc:  # a run without its dataset input beats no run at all
+                    warnings.warn(f"MLflow: the dataset input of {cfg.paths.prepared} was not logged "
+                                  f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=2)
+            self._write_marker(markers, run.info.run_id)
             return run.info.run_id
 
         self.run_id = self._call("start", go)
+        broadcast_object(self.run_id, self.info) if self.info else None
 
-    def resume(self, run_id: str) -> None:
-        def go() -> str:
-            mlflow = self._client()
-            return mlflow.start_run(run_id=run_id).info.run_id
-
-        self.run_id = self._call("resume", go)
-
-    def _tags(self, info: DistInfo) -> dict[str, str]:
+    def _tags(self) -> dict[str, str]:
         import torch
 
+        info = self.info
         device_name = torch.cuda.get_device_name(info.device) if info.device.type == "cuda" \
             else (platform.processor() or platform.machine())
         return {
@@ -165,17 +271,79 @@ class MlflowTracker(NullTracker):
             "ddpipe_version": __version__, "host": socket.gethostname(),
         }
 
+    def _log_dataset(self, mlflow: Any, cfg: Config) -> None:
+        """The prepared data as the run's dataset input: the DVC hash of ``paths.prepared`` as its digest."""
+        from mlflow.data.meta_dataset import MetaDataset
+        from mlflow.data.sources import LocalArtifactDatasetSource
+
+        meta = json.loads((Path(cfg.paths.prepared) / "meta.json").read_text())
+        sizes = meta["sizes"]
+        dataset = MetaDataset(LocalArtifactDatasetSource(cfg.paths.prepared), name=meta["dataset"],
+                              digest=dvc_hash(cfg.paths.prepared))
+        mlflow.log_input(dataset, context="training", tags={
+            "dvc_path": cfg.paths.prepared, "train_samples": str(sizes["train"]),
+            "val_samples": str(sizes["val"]), "test_samples": str(sizes["test"])})
+
+    def _sweep_parent(self, mlflow: Any) -> str:
+        """The parent run of ``mlflow.sweep`` in this experiment, created by the first child that starts.
+        A lock on this host makes it one parent when children start together (``dvc queue start -j N``
+        runs every child of a sweep on the host that queued them)."""
+        name = self.cfg.sweep
+        key = hashlib.sha256(f"{self.uri}|{self.experiment_id}|{name}".encode()).hexdigest()[:16]
+        with _host_lock(Path(tempfile.gettempdir()) / f"ddpipe-sweep-{key}.lock"):
+            found = find_sweep_parent(mlflow.MlflowClient(self.uri), self.experiment_id, name)
+            if found is not None:
+                return found.info.run_id
+            client = mlflow.MlflowClient(self.uri)
+            parent = client.create_run(self.experiment_id, run_name=name, tags={
+                "ddpipe.sweep": name, "ddpipe.sweep_parent": "true", **git_tags(),
+                "ddpipe.end_reason": "a sweep's parent: its children are the trainings"})
+            client.set_terminated(parent.info.run_id, "FINISHED")
+            return parent.info.run_id
+
+    # -- markers of live attempts --------------------------------------------------------------
+
+    def _write_marker(self, markers: Path, run_id: str) -> None:
+        self.marker = Path(markers) / f"mlflow-run-{run_id}.json"
+        atomic_write_json(self.marker, {"run_id": run_id, "tracking_uri": self.uri,
+                                        "host": socket.gethostname(), "pid": os.getpid()})
+
+    def _drop_marker(self) -> None:
+        if self.marker is not None:
+            self.marker.unlink(missing_ok=True)
+            self.marker = None
+
+    def _close_orphans(self, mlflow: Any, markers: Path, keep: str | None) -> None:
+        """FAILED, with the reason, for each run a killed attempt left RUNNING (other than ``keep``)."""
+        for path in sorted(Path(markers).glob("mlflow-run-*.json")):
+            try:
+                marker = json.loads(path.read_text())
+            except (OSError, ValueError):
+                path.unlink(missing_ok=True)
+                continue
+            if marker["run_id"] == keep:
+                path.unlink(missing_ok=True)  # reopened below, with a marker of its own
+                continue
+            if marker.get("host") == socket.gethostname() and _alive(int(marker.get("pid", 0))):
+                continue  # a live training writing into the same directory: not ours to close
+            client = mlflow.MlflowClient(marker.get("tracking_uri") or self.uri)
+            with contextlib.suppress(Exception):  # a run deleted meanwhile, a store gone: nothing to close
+                if client.get_run(marker["run_id"]).info.status == "RUNNING":
+                    client.set_tag(marker["run_id"], "ddpipe.end_reason",
+                                   "its process was killed (SIGKILL, out of memory or a lost node) and the next "
+                                   f"attempt (run {self.run_id or 'new'}) did not resume it: it started fresh")
+                    client.set_terminated(marker["run_id"], "FAILED")
+                    print(f"MLflow run {marker['run_id']} was left RUNNING by a killed training; closed as FAILED",
+                          flush=True)
+            path.unlink(missing_ok=True)
+
+    # -- during and after ----------------------------------------------------------------------
+
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         self._call("log_metrics", lambda: self._client().log_metrics(metrics, step=step))
 
-    def log_params(self, params: dict[str, Any]) -> None:
-        self._call("log_params", lambda: self._client().log_params(params))
-
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         self._call("log_artifact", lambda: self._client().log_artifact(str(path), artifact_path))
-
-    def log_text(self, text: str, artifact_file: str) -> None:
-        self._call("log_text", lambda: self._client().log_text(text, artifact_file))
 
     def _has_model(self, mlflow: Any) -> bool:
         """Whether this run already holds a completely logged ``model`` (a re-run of a finished
@@ -187,35 +355,129 @@ class MlflowTracker(NullTracker):
             filter_string=f"source_run_id = '{self.run_id}' AND name = 'model'")
         return any(str(m.status).upper().endswith("READY") for m in found)
 
-    def log_model(self, model: Any, input_example: Any) -> None:
+    def log_model(self, model_path: Path, input_example: Any, cfg: Config) -> None:
+        """``model_path`` (``paths.model``) as a pyfunc model that a client calls with plain images
+        (:mod:`ddpipe.inference`); registered as a new version when ``mlflow.registered_model_name`` is set."""
+
         def go() -> None:
-            import mlflow.pytorch
+            import mlflow.pyfunc
             import torch
-            from mlflow.models import infer_signature
+            import torchvision
+            from mlflow.models import ModelSignature, infer_signature
+
+            from ddpipe.inference import ImageClassifier, MlflowImageClassifier, prediction_frame
 
             if self._has_model(mlflow):
                 print(f"MLflow run {self.run_id} already holds this model; not logging it again", flush=True)
                 return
-            with torch.no_grad():
-                output = model(torch.from_numpy(input_example)).numpy()
-            mlflow.pytorch.log_model(
-                model, name="model", input_example=input_example,
-                signature=infer_signature(input_example, output),
-                serialization_format="pickle",  # runs on any batch size (pt2 fixes the example's)
-                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"ddpipe=={__version__}"],
+            classifier = ImageClassifier.load(model_path)
+            outputs = infer_signature(None, prediction_frame(classifier, input_example)).outputs
+            info = mlflow.pyfunc.log_model(
+                name="model", python_model=MlflowImageClassifier(), artifacts={"weights": str(model_path)},
+                # no input schema: N x H x W and N x C x H x W, integers or [0, 1] floats are all accepted
+                signature=ModelSignature(outputs=outputs), input_example=input_example,
                 code_paths=[str(Path(__file__).parent)],
+                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
+                                  f"torchvision=={torchvision.__version__.split('+')[0]}",
+                                  "omegaconf", "numpy", "pandas"],
+                metadata={"classes": classifier.classes, "image_size": list(classifier.image_size),
+                          "num_channels": classifier.num_channels, "exported_epoch": classifier.exported_epoch,
+                          "input": "uint8 pixels (N x H x W or N x C x H x W) or floats in [0, 1]",
+                          "output": "label, class_index, probability, probabilities (class order)"},
+                registered_model_name=cfg.mlflow.registered_model_name,
             )
+            if cfg.mlflow.registered_model_name and info.registered_model_version:
+                client = mlflow.MlflowClient(self.uri)
+                for key, value in {"dvc_exp_name": os.environ.get("DVC_EXP_NAME", ""),
+                                   "git_commit": git_tags()["git_commit"], "run_id": self.run_id}.items():
+                    client.set_model_version_tag(cfg.mlflow.registered_model_name,
+                                                 str(info.registered_model_version), key, value)
 
         self._call("log_model", go)
 
-    def finish(self, status: str = "FINISHED") -> None:
-        self._call("finish", lambda: self._client().end_run(status=status))
+    def print_link(self) -> None:
+        """Where to look: the run in ``mlflow ui``'s runs view (started in the repo root)."""
+        if self.run_id and self.experiment_id:
+            print(f"MLflow run {self.run_id}: `mlflow ui` in {repo_root()}, then "
+                  f"{runs_view_url(self.experiment_id)}", flush=True)
+
+    def _end(self, status: str, reason: str) -> None:
+        def go() -> None:
+            mlflow = self._client()
+            if mlflow.active_run() is None and self.run_id:
+                mlflow.start_run(run_id=self.run_id)
+            mlflow.set_tag("ddpipe.end_reason", reason)
+            mlflow.end_run(status=status)
+
+        if self.run_id:
+            self._call("finish", go)
+        self._drop_marker()
+
+    def finish(self) -> None:
+        self._end("FINISHED", "completed")
+
+    def end_after(self, exc: BaseException) -> None:
+        """Close the run as FAILED or KILLED, saying why (``ddpipe.end_reason``)."""
+        self._end(*end_reason(exc))
+
+
+class RunLogger(MlflowTracker):
+    """Logs into an existing run without reopening it (the evaluate stage: the run keeps its status)."""
+
+    def __init__(self, cfg: MlflowConfig, run_id: str) -> None:
+        super().__init__(cfg)
+        self.run_id = run_id
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self._call("log_metrics", lambda: self._client().MlflowClient(self.uri).log_batch(
+            self.run_id, metrics=[_metric(k, v, step) for k, v in metrics.items()]))
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self._call("log_artifact", lambda: self._client().MlflowClient(self.uri).log_artifact(
+            self.run_id, str(path), artifact_path))
+
+
+def _metric(key: str, value: float, step: int | None) -> Any:
+    from mlflow.entities import Metric
+
+    return Metric(key, float(value), int(time.time() * 1000), step or 0)
+
+
+def find_sweep_parent(client: Any, experiment_id: str, name: str) -> Any:
+    """The parent run of sweep ``name`` (the oldest, if a race ever made two), or None."""
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`ddpipe.sweep_parent` = 'true' AND "
+                              f"tags.`ddpipe.sweep` = '{name}'", order_by=["attributes.start_time ASC"])
+    return runs[0] if runs else None
+
+
+@contextlib.contextmanager
+def _host_lock(path: Path) -> Iterator[None]:
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def make_tracker(cfg: MlflowConfig, info: DistInfo) -> NullTracker:
-    """MLflow on global rank 0, a do-nothing tracker on every other rank."""
-    return MlflowTracker(cfg) if info.is_main else NullTracker()
-
-
-
-
+    """MLflow on global rank 0; on local rank 0 of the other nodes MLflow's system-metrics monitor when
+    runs go to a tracking server (a local sqlite file must not be written from several hosts); a
+    do-nothing tracker on every other rank."""
+    if info.is_main:
+        return MlflowTracker(cfg, info)
+    if info.local_rank == 0 and cfg.log_system_metrics and is_server(tracking_uri(cfg)):
+        return NodeMetricsTracker(cfg, info)
+    return NullTracker(info)

@@ -24,15 +24,16 @@ from ddpipe.config import Config, ConfigError, TrainConfig, flatten
 from ddpipe.data import BatchTransform, InMemoryDataset, TrainShards, eval_loader, load_meta, real_sample_mask
 from ddpipe.exact import clip_grad_norm_ as exact_clip_grad_norm_
 from ddpipe.exact import make_exact
-from ddpipe.fsutil import atomic_save, atomic_write_json, atomic_write_text
-from ddpipe.models import build_model
+from ddpipe.fsutil import atomic_write_json, atomic_write_text
+from ddpipe.models import build_model, save_model
+from ddpipe.selection import ModelSelection
 from ddpipe.tracking import NullTracker, make_tracker
 
 # Keys that do not change the training trajectory: a run may resume across changes to these.
 _NOT_TRAJECTORY = ("distributed.max_restarts", "distributed.timeout_s", "distributed.nproc_per_node",
                    "distributed.nnodes", "distributed.rdzv_endpoint", "distributed.rdzv_id",
                    "train.progress_bar", "train.checkpoint_every_steps", "train.keep_checkpoints",
-                   "train.eval_batch_size_per_rank")
+                   "train.eval_batch_size_per_rank", "train.export")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,6 +166,7 @@ class Trainer:
             self.optimizer, lr_lambda(tc, self.steps_per_epoch, cfg.num_epochs))
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.precision == "fp16")
         self.tracker: NullTracker = make_tracker(cfg.mlflow, info)
+        self.selection = ModelSelection(tc)
         self.fingerprint = ckpt.fingerprint(self._trajectory())
         self.history: list[dict[str, float]] = []
 
@@ -229,6 +231,7 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         ckpt.set_rng_state(state["rng"])
         self.history = list(state["history"])
+        self.selection.load_state_dict(state["selection"])
         if pos.epoch >= self.cfg.num_epochs:
             dd.print0(f"{self.cfg.paths.checkpoints}: this run's {pos.epoch} epochs are already trained; "
                       "writing its outputs", info=self.info)
@@ -243,6 +246,7 @@ class Trainer:
                 "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "rng": ckpt.rng_state(), "history": self.history, "run_id": self.tracker.run_id or "",
+                "selection": self.selection.state_dict(),
             }
             ckpt.save_checkpoint(Path(self.cfg.paths.checkpoints), self.fingerprint, pos, state,
                                  self.cfg.train.keep_checkpoints)
@@ -252,10 +256,7 @@ class Trainer:
 
     def fit(self) -> dict[str, float]:
         pos, run_id = self._resume()
-        if run_id:
-            self.tracker.resume(run_id)
-        else:
-            self.tracker.start(self.cfg, self.info, self.derived())
+        self.tracker.start(self.cfg, self.derived(), run_id, Path(self.cfg.paths.checkpoints))
         dd.print0(
             f"world size {self.info.world_size} ({self.info.num_nodes} node(s), backend "
             f"{self.info.backend or 'none'}, {self.device.type}, {torch.get_num_threads()} thread(s)/process), "
@@ -263,9 +264,16 @@ class Trainer:
             f"({self.cfg.train.lr_scaling} scaling of {self.cfg.train.base_lr:g}), global batch "
             f"{self.derived()['global_batch_size']}, {self.steps_per_epoch} steps/epoch", info=self.info)
         for epoch in range(pos.epoch, self.cfg.num_epochs):
+            if self.selection.should_stop(epoch):
+                dd.print0(f"early stopping after epoch {epoch}: no better validation accuracy since epoch "
+                          f"{self.selection.best_epoch} ({self.selection.best_val_accuracy:.4f})", info=self.info)
+                break
             stats = self.run_epoch(epoch, pos.step if epoch == pos.epoch else 0)
             self.history.append(asdict(stats))
-            self.tracker.log_metrics({k: v for k, v in asdict(stats).items() if k != "epoch"}, step=epoch)
+            self.selection.update(stats.epoch, stats.val_accuracy, self.module)
+            # MLflow steps are epochs counted from 1, as in the history DVC plots
+            self.tracker.log_metrics({**{k: v for k, v in asdict(stats).items() if k != "epoch"},
+                                      "best_val_accuracy": self.selection.best_val_accuracy}, step=stats.epoch)
             self._save(ckpt.Position(epoch + 1, 0))
         return self.finish()
 
@@ -365,26 +373,28 @@ class Trainer:
 
     def finish(self) -> dict[str, float]:
         paths, last = self.cfg.paths, self.history[-1]
+        weights, exported_epoch = self.selection.exported(self.module, len(self.history))
         metrics = {
+            "best_val_accuracy": self.selection.best_val_accuracy, "best_epoch": self.selection.best_epoch,
+            "exported_epoch": exported_epoch, "epochs": len(self.history),
+            "val_accuracy": last["val_accuracy"], "val_loss": last["val_loss"],
             "train_loss": last["train_loss"], "train_accuracy": last["train_accuracy"],
-            "val_loss": last["val_loss"], "val_accuracy": last["val_accuracy"],
-            "best_val_accuracy": max(h["val_accuracy"] for h in self.history),
-            "epochs": len(self.history),
             "train_seconds": sum(h["epoch_seconds"] for h in self.history),
             "world_size": self.info.world_size, "effective_lr": self.effective_lr,
         }
         if self.info.is_main:
-            save_model(self.module, self.cfg, self.meta, paths.model)
+            save_model(weights, self.cfg.model, self.meta, paths.model, extra={"exported_epoch": exported_epoch})
             atomic_write_json(paths.train_metrics, {"train": metrics})
             atomic_write_text(paths.history, history_csv(self.history))
             atomic_write_json(paths.run_info, {"run_id": self.tracker.run_id or "",
                                                "tracking_uri": getattr(self.tracker, "uri", "")})
-            example = self.val_set.images[:4]
+            self.tracker.log_metrics({"best_epoch": self.selection.best_epoch, "exported_epoch": exported_epoch})
             if self.cfg.mlflow.log_model:
-                self.tracker.log_model(plain_model(self.module, self.cfg, self.meta).eval(),
-                                       self.transform(example.to(self.device), torch.arange(4), None)
-                                       .float().contiguous().cpu().numpy())
-            self.tracker.finish()
+                example = self.val_set.images[:4].numpy()  # as a client has them: uint8, N x H x W for grey
+                self.tracker.log_model(Path(paths.model), example[:, 0] if example.shape[1] == 1 else example,
+                                       self.cfg)
+            self.tracker.print_link()
+        self.tracker.finish()
         dd.barrier(self.info)
         return metrics
 
@@ -439,45 +449,20 @@ def _gather_outputs(kept: list, n: int, info: dd.DistInfo) -> torch.Tensor:
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# The saved model
-
-
-def plain_model(module: nn.Module, cfg: Config, meta: dict) -> nn.Module:
-    """A CPU copy of the trained network as ``build_model`` makes it (no SyncBatchNorm, no DDP)."""
-    model = build_model(cfg.model, meta["num_channels"], len(meta["classes"]))
-    model.load_state_dict({k: v.detach().cpu() for k, v in module.state_dict().items()})
-    return model
-
-
-def save_model(module: nn.Module, cfg: Config, meta: dict, path: str | Path) -> None:
-    """Weights plus what rebuilds the network and its input normalisation (weights_only-loadable)."""
-    payload = {
-        "state_dict": {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()},
-        "model": asdict(cfg.model),
-        "num_channels": meta["num_channels"], "classes": list(meta["classes"]),
-        "mean": list(meta["mean"]), "std": list(meta["std"]), "image_size": list(meta["image_size"]),
-    }
-    atomic_save(path, lambda f: torch.save(payload, f))
-
-
-def load_model(path: str | Path) -> tuple[nn.Module, dict]:
-    """The network saved by :func:`save_model`, and the payload's metadata."""
-    from ddpipe.config import ModelConfig
-
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    model = build_model(ModelConfig(**payload["model"]), payload["num_channels"], len(payload["classes"]))
-    model.load_state_dict(payload["state_dict"])
-    return model, payload
-
-
 def train(cfg: Config) -> dict[str, float]:
-    """Set up this process, train, and always tear the process group down."""
+    """Set up this process, train, and always tear the process group down. A training that raises,
+    or is stopped by SIGINT/SIGTERM, closes its MLflow run as FAILED or KILLED, saying why."""
     info = dd.init_distributed(cfg.distributed)
+    trainer = None
     try:
-        return Trainer(cfg, info).fit()
-    except RuntimeError as exc:  # DistBackendError is one; fail within the bound, naming ranks
-        if info.distributed and dd.is_timeout(exc):
+        with dd.signals_raise():
+            trainer = Trainer(cfg, info)
+            return trainer.fit()
+    except BaseException as exc:
+        if trainer is not None:
+            trainer.tracker.end_after(exc)
+        if isinstance(exc, RuntimeError) and info.distributed and dd.is_timeout(exc):
+            # DistBackendError is a RuntimeError: fail within the bound, naming the silent ranks
             raise dd.explain_timeout(exc, info, cfg.distributed.timeout_s) from exc
         raise
     finally:

@@ -1,0 +1,136 @@
+"""The trained classifier as a client calls it: images in, class probabilities and names out.
+
+One code path serves both the evaluate stage and the logged MLflow model (``mlflow models serve``), so
+the served model predicts exactly what the evaluate stage measured: the same uint8 -> float
+normalisation (the training's per-channel mean and std), the same network in fp32 on the CPU.
+
+Accepted images (a NumPy array or a nested list, as JSON gives it):
+- integer pixels 0-255 (any integer dtype), ``N x H x W`` or ``N x C x H x W`` (``N x H x W x C``
+  too, when only the last axis matches the model's channels);
+- floats in [0, 1] (a float dtype says so: there is no guessing from the values); they are rounded
+  to the 0-255 grid, so ``uint8 / 255`` gives exactly the uint8 prediction.
+Images of another size are resized (bilinear, antialiased) to the training size; grey images are
+repeated to three channels for a colour model. Anything else raises ``ValueError`` saying what was
+sent and what is accepted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlflow.pyfunc
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ddpipe.data import BatchTransform
+from ddpipe.models import load_model
+
+
+class ImageClassifier:
+    """A saved model (``paths.model``) with its normalisation and class names, ready to predict."""
+
+    def __init__(self, model: torch.nn.Module, payload: dict, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")
+        self.model = model.to(self.device).eval()
+        self.classes: list[str] = list(payload["classes"])
+        self.num_channels = int(payload["num_channels"])
+        self.image_size = tuple(int(s) for s in payload["image_size"])
+        self.exported_epoch = payload.get("exported_epoch")
+        # crop padding 0, no flips: evaluation's transform, never the training augmentation
+        self.normalise = BatchTransform(payload["mean"], payload["std"], 0, False, 0, self.device, False)
+
+    @classmethod
+    def load(cls, path: str | Path, device: torch.device | None = None) -> ImageClassifier:
+        model, payload = load_model(path)
+        return cls(model, payload, device)
+
+    @torch.no_grad()
+    def logits(self, images: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[N, classes]`` (on the CPU) for a uint8 ``N x C x H x W`` batch at the model's size."""
+        # Plain NCHW strides whatever the caller's view: a 1-channel view with an odd channel stride
+        # passes for channels_last, and the convolutions then take other kernels (other last bits).
+        images = images.to(self.device).clone(memory_format=torch.contiguous_format)
+        x = self.normalise(images, torch.empty(0), None)
+        return self.model(x).float().cpu()
+
+    def to_batch(self, images: Any) -> torch.Tensor:
+        """A client's images as the uint8 ``N x C x H x W`` batch the model takes (see the module doc)."""
+        array = np.asarray(images)
+        if array.dtype == object or array.size == 0:
+            raise ValueError(f"images: got an array of dtype {array.dtype} and shape {array.shape}; expected a "
+                             "non-empty rectangular array of pixels")
+        array = self._to_uint8(array)
+        return self._to_model_shape(torch.from_numpy(np.ascontiguousarray(self._to_nchw(array))))
+
+    @staticmethod
+    def _to_uint8(array: np.ndarray) -> np.ndarray:
+        if array.dtype == np.bool_:
+            raise ValueError("images: got booleans; expected integer pixels 0-255 or floats in [0, 1]")
+        lo, hi = float(array.min()), float(array.max())
+        if np.issubdtype(array.dtype, np.integer):
+            if lo < 0 or hi > 255:
+                raise ValueError(f"images: integer pixels must lie in 0-255, got values from {lo:g} to {hi:g}")
+            return array.astype(np.uint8)
+        if np.issubdtype(array.dtype, np.floating):
+            if not (np.isfinite(lo) and np.isfinite(hi)) or lo < 0 or hi > 1:
+                raise ValueError(f"images: float pixels must lie in [0, 1], got values from {lo:g} to {hi:g}; "
+                                 "send 0-255 pixels as integers")
+            return np.rint(array.astype(np.float64) * 255.0).astype(np.uint8)
+        raise ValueError(f"images: dtype {array.dtype} is not accepted; expected integers 0-255 or floats in [0, 1]")
+
+    def _to_nchw(self, array: np.ndarray) -> np.ndarray:
+        c = self.num_channels
+        if array.ndim == 3:
+            return array[:, None]
+        if array.ndim == 4:
+            if array.shape[1] not in (1, c) and array.shape[3] in (1, c):
+                return array.transpose(0, 3, 1, 2)
+            if array.shape[1] in (1, c):
+                return array
+        raise ValueError(f"images: shape {list(array.shape)} is not accepted; expected N x H x W or N x C x H x W "
+                         f"(N x H x W x C too) with C = {c}" + (" or 1" if c != 1 else ""))
+
+    def _to_model_shape(self, batch: torch.Tensor) -> torch.Tensor:
+        if batch.shape[1] != self.num_channels:  # a grey image for a colour model
+            batch = batch.expand(-1, self.num_channels, -1, -1)
+        if tuple(batch.shape[2:]) != self.image_size:
+            resized = F.interpolate(batch.float(), size=self.image_size, mode="bilinear", antialias=True,
+                                    align_corners=False)
+            batch = resized.round_().clamp_(0, 255).to(torch.uint8)
+        return batch
+
+    def predict(self, images: Any, batch_size: int = 1000) -> dict[str, Any]:
+        """``class_index`` and ``label`` (argmax of the logits), ``probabilities`` ``[N, classes]`` (softmax)."""
+        batch = self.to_batch(images)
+        logits = torch.cat([self.logits(batch[i:i + batch_size]) for i in range(0, len(batch), batch_size)])
+        index = logits.argmax(1)
+        return {"class_index": index.numpy(), "label": [self.classes[i] for i in index.tolist()],
+                "probabilities": torch.softmax(logits.double(), 1).numpy()}
+
+
+class MlflowImageClassifier(mlflow.pyfunc.PythonModel):
+    """The MLflow pyfunc face of :class:`ImageClassifier`: a DataFrame with one row per image
+    (``label``, ``class_index``, ``probability`` of that class, ``probabilities`` in class order)."""
+
+    def load_context(self, context):  # noqa: ANN001, ANN201 (MLflow reads type hints here as a schema)
+        self.classifier = ImageClassifier.load(context.artifacts["weights"])
+
+    def predict(self, context, model_input, params=None):  # noqa: ANN001, ANN201 (likewise)
+        return prediction_frame(self.classifier, model_input)
+
+
+def prediction_frame(classifier: ImageClassifier, images: Any) -> Any:
+    """The served model's answer for ``images``, as a DataFrame."""
+    import pandas as pd
+
+    if isinstance(images, pd.DataFrame):  # a client that sent a table: one image per row
+        images = np.stack([np.asarray(v) for v in images.iloc[:, 0]])
+    out = classifier.predict(images)
+    probs = out["probabilities"]
+    return pd.DataFrame({
+        "label": out["label"], "class_index": out["class_index"].astype(np.int64),
+        "probability": probs[np.arange(len(probs)), out["class_index"]],
+        "probabilities": [row.tolist() for row in probs],
+    })

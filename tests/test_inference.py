@@ -1,0 +1,138 @@
+"""The model a client calls: images as clients have them in, probabilities and class names out, the
+same predictions as the evaluate stage; served for real by `mlflow models serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ddpipe.config import ModelConfig
+from ddpipe.data import InMemoryDataset
+from ddpipe.inference import ImageClassifier, prediction_frame
+from ddpipe.models import build_model, save_model
+from tests.conftest import VENV_BIN, args_for, free_port, run, subprocess_env
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory: pytest.TempPathFactory) -> ImageClassifier:
+    torch.manual_seed(0)
+    cfg = ModelConfig(width=8)
+    meta = {"num_channels": 1, "classes": [f"c{i}" for i in range(10)], "mean": [0.3], "std": [0.35],
+            "image_size": [28, 28]}
+    path = tmp_path_factory.mktemp("model") / "model.pt"
+    save_model(build_model(cfg, 1, 10).state_dict(), cfg, meta, path, extra={"exported_epoch": 3})
+    return ImageClassifier.load(path)
+
+
+def _images(n: int = 6) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
+
+
+def test_every_accepted_layout_gives_the_same_answer(classifier: ImageClassifier) -> None:
+    u8 = _images()
+    expected = classifier.predict(u8)
+    assert expected["probabilities"].shape == (6, 10)
+    assert np.allclose(expected["probabilities"].sum(1), 1.0)
+    assert expected["label"] == [f"c{i}" for i in expected["class_index"]]
+    same = [u8[:, None], u8[:, :, :, None], u8.astype(np.int64).tolist(), u8 / 255.0, (u8 / 255.0).astype(np.float32)]
+    for images in same:
+        got = classifier.predict(images)
+        assert np.array_equal(got["class_index"], expected["class_index"])
+        assert np.array_equal(got["probabilities"], expected["probabilities"])
+
+
+def test_inputs_of_another_size_are_resized(classifier: ImageClassifier) -> None:
+    big = np.kron(_images(2), np.ones((2, 2), dtype=np.uint8))  # 56 x 56, every pixel doubled
+    assert classifier.to_batch(big).shape == (2, 1, 28, 28)
+    assert len(classifier.predict(big)["label"]) == 2
+
+
+@pytest.mark.parametrize("images, message", [
+    (np.full((2, 28, 28), 300), "0-255"),
+    (np.full((2, 28, 28), -1), "0-255"),
+    (np.full((2, 28, 28), 12.0), "floats in|float pixels must lie in"),
+    (np.zeros((2, 3, 28, 28), dtype=np.uint8), "shape"),
+    (np.zeros((28, 28), dtype=np.uint8), "shape"),
+    (np.zeros((2, 28, 28), dtype=bool), "booleans"),
+])
+def test_bad_inputs_say_what_is_accepted(classifier: ImageClassifier, images: np.ndarray, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        classifier.predict(images)
+
+
+def test_the_served_frame_names_each_class(classifier: ImageClassifier) -> None:
+    frame = prediction_frame(classifier, _images(3))
+    assert list(frame.columns) == ["label", "class_index", "probability", "probabilities"]
+    row = frame.iloc[0]
+    assert row["probability"] == max(row["probabilities"]) and row["label"] == f"c{row['class_index']}"
+    assert classifier.exported_epoch == 3
+
+
+def _post(url: str, payload: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+@pytest.mark.slow
+def test_the_served_model_answers_plain_images_as_the_evaluate_stage_did(tmp_path: Path, prepared: Path) -> None:
+    """Train, evaluate, register; then `mlflow models serve` the logged model and send it uint8 test
+    images (N x H x W, as JSON integers) and the same images as floats in [0, 1]: its predictions are
+    the evaluate stage's, image for image."""
+    args = args_for(tmp_path, prepared, "num_epochs=1", "mlflow.registered_model_name=tiny-classifier")
+    run(["python", "stages/train.py", *args], env={"DVC_EXP_NAME": "served"})
+    run(["python", "stages/evaluate.py", *args])
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_id = json.loads((tmp_path / "run.json").read_text())["run_id"]
+
+    from mlflow import MlflowClient
+
+    (version,) = MlflowClient(uri).search_model_versions("name = 'tiny-classifier'")
+    assert version.run_id == run_id and version.tags["dvc_exp_name"] == "served"
+    assert len(version.tags["git_commit"]) == 40
+
+    test = InMemoryDataset.load(prepared, "test")
+    evaluated = [line.split(",")[1] for line in (tmp_path / "confusion.csv").read_text().splitlines()[1:]]
+    port = free_port()
+    server = subprocess.Popen(
+        [str(VENV_BIN / "mlflow"), "models", "serve", "-m", f"runs:/{run_id}/model", "--env-manager", "local",
+         "-h", "127.0.0.1", "-p", str(port)],
+        env=subprocess_env({"MLFLOW_TRACKING_URI": uri}), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_for(f"{url}/ping", server, 120)
+        images = test.images[:, 0].numpy()
+        answer = _post(f"{url}/invocations", {"inputs": images.tolist()})["predictions"]
+        assert [p["label"] for p in answer] == evaluated
+        assert all(abs(sum(p["probabilities"]) - 1) < 1e-6 for p in answer)
+        as_floats = _post(f"{url}/invocations", {"inputs": (images[:50] / 255.0).tolist()})["predictions"]
+        assert [p["label"] for p in as_floats] == evaluated[:50]
+        with pytest.raises(urllib.error.HTTPError) as bad:
+            _post(f"{url}/invocations", {"inputs": (images[:2] * 1.0).tolist()})  # 0-255 as floats: refused
+        assert bad.value.code == 400 and b"float pixels must lie in [0, 1]" in bad.value.read()
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=30)
+
+
+def _wait_for(url: str, proc: subprocess.Popen, seconds: float) -> None:
+    import time
+
+    deadline = time.time() + seconds
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"{url} did not come up in {seconds} s (exit code {proc.poll()})")
