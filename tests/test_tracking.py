@@ -17,7 +17,19 @@ import torch
 from ddpipe.config import Config, MlflowConfig, load_config
 from ddpipe.distributed import DistInfo
 from ddpipe.tracking import MlflowTracker, NullTracker, dvc_hash, make_tracker, tracking_uri
-from tests.conftest import CLONE_ENV, CLONE_PARAMS, FASHION_DIR, PARAMS, VENV_BIN, args_for, clone_repo, free_port, run
+from tests.conftest import (
+    CLONE_ENV,
+    CLONE_PARAMS,
+    FASHION_DIR,
+    PARAMS,
+    ROOT,
+    VENV_BIN,
+    args_for,
+    clone_repo,
+    free_port,
+    run,
+    subprocess_env,
+)
 
 
 def _client(uri: str):
@@ -56,7 +68,9 @@ def test_training_and_evaluation_make_one_complete_run(tmp_path: Path, prepared:
     r = runs[0]
     assert r.info.run_name == "my-exp" and r.info.status == "FINISHED"
     assert r.data.tags["ddpipe.end_reason"] == "completed"
-    assert f"#/experiments/{exp.experiment_id}?workflowType=machine_learning" in trained.stdout
+    assert f"#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=ddpipe" \
+        in trained.stdout
+    assert "test_accuracy" in exp.tags["mlflow.sharedViewState.ddpipe"]
     cfg = load_config(args, params_file=PARAMS)
     assert r.data.params["num_epochs"] == "2" and r.data.params["train.base_lr"] == str(cfg.train.base_lr)
     assert r.data.params["world_size"] == "1" and "effective_lr" in r.data.params
@@ -189,23 +203,97 @@ def test_dvc_exp_run_is_one_named_mlflow_run(tmp_path: Path) -> None:
     assert len(model.predict(np.zeros((3, 1, 28, 28), dtype=np.uint8))) == 3
 
 
+# ---------------------------------------------------------------------------------------------
+# How a run ends: FINISHED, FAILED, KILLED, and runs that a killed process left RUNNING
+
+
+def _runs(tmp: Path, experiment: str = "ddpipe") -> list:
+    client = _client(f"sqlite:///{tmp}/mlflow.db")
+    return client.search_runs([client.get_experiment_by_name(experiment).experiment_id],
+                              order_by=["attributes.start_time ASC"])
+
+
+def test_end_reasons_name_the_cause() -> None:
+    from ddpipe.distributed import Terminated
+    from ddpipe.tracking import end_reason
+
+    assert end_reason(KeyboardInterrupt()) == ("KILLED", "interrupted by SIGINT (Ctrl-C)")
+    status, why = end_reason(Terminated(15))
+    assert status == "KILLED" and "SIGTERM" in why
+    assert end_reason(ValueError("bad value\nmore")) == ("FAILED", "ValueError: bad value")
+
+
 @pytest.mark.slow
-def test_two_queued_experiments_run_in_parallel(repro_clone: Path) -> None:
-    """Queued runs see only what git tracks, so they start from a clone whose dvc.lock is committed."""
-    clone, env = repro_clone, CLONE_ENV
-    for seed in (1, 2):
-        run(["dvc", "exp", "run", "--queue", "-n", f"seed-{seed}", "-S", f"seed={seed}"], cwd=clone, env=env)
-    run(["dvc", "queue", "start", "-j", "2"], cwd=clone, env=env)
-    deadline = time.time() + 900
-    while time.time() < deadline:
-        status = run(["dvc", "queue", "status"], cwd=clone, env=env).stdout
-        if "Queued" not in status and "Running" not in status:
-            break
-        time.sleep(5)
-    status = run(["dvc", "queue", "status"], cwd=clone, env=env).stdout
-    run(["dvc", "queue", "stop"], cwd=clone, env=env, check=False)
-    assert status.count("Success") == 2, status + run(["dvc", "queue", "logs", "seed-1"], cwd=clone,
-                                                       env=env, check=False).stdout
-    runs = _runs_by_name(clone)
-    assert {"seed-1", "seed-2"} <= set(runs)
-    assert runs["seed-1"].data.params["seed"] == "1" and runs["seed-2"].data.params["seed"] == "2"
+def test_a_training_that_raises_ends_failed(tmp_path: Path, prepared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddpipe.training import Trainer, train
+
+    real = Trainer.run_epoch
+
+    def second_epoch_breaks(self, epoch: int, start_step: int):
+        if epoch == 1:
+            raise RuntimeError("disk full while writing activations")
+        return real(self, epoch, start_step)
+
+    monkeypatch.setattr(Trainer, "run_epoch", second_epoch_breaks)
+    # mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI to this process; monkeypatch restores it after
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    with pytest.raises(RuntimeError, match="disk full"):
+        train(load_config(args_for(tmp_path, prepared), params_file=PARAMS))
+    (r,) = _runs(tmp_path)
+    assert r.info.status == "FAILED"
+    assert r.data.tags["ddpipe.end_reason"] == "RuntimeError: disk full while writing activations"
+
+
+def _wait_for_first_checkpoint(directory: Path, proc: subprocess.Popen) -> None:
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if list(directory.glob("ckpt-*.pt")):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no checkpoint appeared while the run was alive (exit {proc.poll()})")
+
+
+@pytest.mark.slow
+def test_sigterm_ends_killed_and_the_resumed_attempt_reopens_the_same_run(tmp_path: Path, prepared: Path) -> None:
+    """SIGTERM to torchrun (as a scheduler sends it) reaches the worker: its run ends KILLED, saying so,
+    and the exit code is 128 + 15. The next attempt resumes the checkpoint into the same run, which
+    ends FINISHED with every epoch logged once."""
+    from tests.conftest import torchrun
+
+    args = args_for(tmp_path, prepared, "num_epochs=4")
+    proc = subprocess.Popen(torchrun(1, *args), cwd=ROOT, env=subprocess_env(CLONE_ENV),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for_first_checkpoint(tmp_path / "ckpt", proc)
+    proc.send_signal(15)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, out[-3000:]
+    assert "training stopped: terminated by signal SIGTERM" in out
+    (killed,) = _runs(tmp_path)
+    assert killed.info.status == "KILLED" and "SIGTERM" in killed.data.tags["ddpipe.end_reason"]
+
+    resumed = run(torchrun(1, *args), env=CLONE_ENV)
+    assert "resuming from" in resumed.stdout
+    (r,) = _runs(tmp_path)
+    assert r.info.run_id == killed.info.run_id and r.info.status == "FINISHED"
+    assert r.data.tags["ddpipe.attempts"] == "2" and r.data.tags["ddpipe.end_reason"] == "completed"
+    steps = [m.step for m in _client(f"sqlite:///{tmp_path}/mlflow.db").get_metric_history(r.info.run_id, "val_loss")]
+    assert steps == [1, 2, 3, 4]
+    assert not list((tmp_path / "ckpt").glob("mlflow-run-*.json"))  # no live attempt left behind
+
+
+@pytest.mark.slow
+def test_a_run_left_running_by_sigkill_is_closed_failed_by_a_fresh_start(tmp_path: Path, prepared: Path) -> None:
+    args = args_for(tmp_path, prepared, "num_epochs=4")
+    proc = subprocess.Popen(["python", "stages/train.py", *args], cwd=ROOT, env=subprocess_env(CLONE_ENV),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for_first_checkpoint(tmp_path / "ckpt", proc)
+    proc.kill()
+    proc.wait(timeout=30)
+    (orphan,) = _runs(tmp_path)
+    assert orphan.info.status == "RUNNING"  # nothing could close it
+
+    run(["python", "stages/train.py", *args, "seed=7", "num_epochs=1"], env=CLONE_ENV)  # a fresh start
+    closed, new = _runs(tmp_path)
+    assert closed.info.run_id == orphan.info.run_id and closed.info.status == "FAILED"
+    assert "was killed" in closed.data.tags["ddpipe.end_reason"]
+    assert new.info.status == "FINISHED"

@@ -68,10 +68,26 @@ def is_server(uri: str) -> bool:
     return uri.split(":", 1)[0] in ("http", "https", "databricks")
 
 
-def runs_view_url(experiment_id: str, host: str = "http://127.0.0.1:5000") -> str:
-    """The experiment's runs table in ``mlflow ui``. MLflow 3 opens an experiment on its GenAI view unless
-    the page says ``workflowType=machine_learning`` (or the browser remembers the toggle)."""
-    return f"{host}/#/experiments/{experiment_id}?workflowType=machine_learning"
+# The runs table a person compares runs in. MLflow 3.17's UI opens an experiment on its GenAI overview
+# unless the URL says workflowType=machine_learning (or the browser remembers its sidebar toggle; the
+# experiment tag mlflow.experimentKind, which ddpipe sets too, is not read by that build), and shows no
+# metric columns unless a view is selected: the experiment tag mlflow.sharedViewState.<key>, opened with
+# viewStateShareKey=<key>, selects the columns below and sorts by test accuracy.
+VIEW_KEY = "ddpipe"
+VIEW_COLUMNS = ("metrics.`test_accuracy`", "metrics.`test_macro_f1`", "params.`world_size`", "params.`effective_lr`",
+                "params.`train.base_lr`", "params.`num_epochs`", "params.`seed`", "params.`model.name`")
+
+
+def runs_view_url(experiment_id: str, host: str = "http://127.0.0.1:5000", charts: bool = False) -> str:
+    """The experiment's runs table (``charts``: its metric charts) in ``mlflow ui``."""
+    mode = "&compareRunsMode=CHART" if charts else ""
+    return f"{host}/#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}{mode}"
+
+
+def runs_view_tags() -> dict[str, str]:
+    """Experiment tags that make the runs view useful at first sight (see VIEW_KEY)."""
+    view = {"selectedColumns": list(VIEW_COLUMNS), "orderByKey": "metrics.`test_accuracy`", "orderByAsc": False}
+    return {f"mlflow.sharedViewState.{VIEW_KEY}": json.dumps(view), "mlflow.experimentKind": "custom_model_development"}
 
 
 def dvc_hash(directory: str | Path) -> str:
@@ -207,13 +223,17 @@ class MlflowTracker(NullTracker):
     def _experiment(self, mlflow: Any) -> str:
         exp = mlflow.get_experiment_by_name(self.cfg.experiment_name)
         if exp is not None:
+            if any(exp.tags.get(k) != v for k, v in runs_view_tags().items()):
+                for key, value in runs_view_tags().items():
+                    mlflow.MlflowClient(self.uri).set_experiment_tag(exp.experiment_id, key, value)
             return exp.experiment_id
         location = None
         if self.uri == default_store():
             # Artifacts beside mlflow.db, not under the (possibly temporary) working directory.
             location = (repo_root() / "mlartifacts").as_uri()
         try:
-            return mlflow.create_experiment(self.cfg.experiment_name, artifact_location=location)
+            return mlflow.create_experiment(self.cfg.experiment_name, artifact_location=location,
+                                            tags=runs_view_tags())
         except Exception:  # created meanwhile by a parallel experiment
             return mlflow.get_experiment_by_name(self.cfg.experiment_name).experiment_id
 
@@ -345,11 +365,14 @@ class MlflowTracker(NullTracker):
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         self._call("log_artifact", lambda: self._client().log_artifact(str(path), artifact_path))
 
-    def _has_model(self, mlflow: Any) -> bool:
-        """Whether this run already holds a completely logged ``model`` (a re-run of a finished
-        training, e.g. ``dvc repro`` after a code-only change, rewrites its outputs from the last
-        checkpoint and must not log a second copy)."""
-        experiment_id = mlflow.get_run(self.run_id).info.experiment_id
+    def _has_model(self, mlflow: Any, exported_epoch: Any) -> bool:
+        """Whether this run already holds a completely logged ``model`` of the same exported epoch (a
+        re-run of a finished training, e.g. ``dvc repro`` after a code-only change, rewrites its outputs
+        from the last checkpoint and must not log a second copy; one with train.export changed must)."""
+        run = mlflow.get_run(self.run_id)
+        if run.data.tags.get("ddpipe.logged_model_epoch") != str(exported_epoch):
+            return False
+        experiment_id = run.info.experiment_id
         found = mlflow.search_logged_models(
             experiment_ids=[experiment_id], output_format="list",
             filter_string=f"source_run_id = '{self.run_id}' AND name = 'model'")
@@ -367,10 +390,10 @@ class MlflowTracker(NullTracker):
 
             from ddpipe.inference import ImageClassifier, MlflowImageClassifier, prediction_frame
 
-            if self._has_model(mlflow):
+            classifier = ImageClassifier.load(model_path)
+            if self._has_model(mlflow, classifier.exported_epoch):
                 print(f"MLflow run {self.run_id} already holds this model; not logging it again", flush=True)
                 return
-            classifier = ImageClassifier.load(model_path)
             outputs = infer_signature(None, prediction_frame(classifier, input_example)).outputs
             info = mlflow.pyfunc.log_model(
                 name="model", python_model=MlflowImageClassifier(), artifacts={"weights": str(model_path)},
@@ -386,6 +409,7 @@ class MlflowTracker(NullTracker):
                           "output": "label, class_index, probability, probabilities (class order)"},
                 registered_model_name=cfg.mlflow.registered_model_name,
             )
+            mlflow.set_tag("ddpipe.logged_model_epoch", str(classifier.exported_epoch))
             if cfg.mlflow.registered_model_name and info.registered_model_version:
                 client = mlflow.MlflowClient(self.uri)
                 for key, value in {"dvc_exp_name": os.environ.get("DVC_EXP_NAME", ""),
@@ -398,8 +422,9 @@ class MlflowTracker(NullTracker):
     def print_link(self) -> None:
         """Where to look: the run in ``mlflow ui``'s runs view (started in the repo root)."""
         if self.run_id and self.experiment_id:
-            print(f"MLflow run {self.run_id}: `mlflow ui` in {repo_root()}, then "
-                  f"{runs_view_url(self.experiment_id)}", flush=True)
+            print(f"MLflow run {self.run_id}: run `mlflow ui` in {repo_root()} and open\n  "
+                  f"{runs_view_url(self.experiment_id)}  (runs table)\n  "
+                  f"{runs_view_url(self.experiment_id, charts=True)}  (charts)", flush=True)
 
     def _end(self, status: str, reason: str) -> None:
         def go() -> None:

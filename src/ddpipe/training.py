@@ -232,7 +232,7 @@ class Trainer:
         ckpt.set_rng_state(state["rng"])
         self.history = list(state["history"])
         self.selection.load_state_dict(state["selection"])
-        if pos.epoch >= self.cfg.num_epochs:
+        if pos.epoch >= self.cfg.num_epochs or self.selection.should_stop(pos.epoch):
             dd.print0(f"{self.cfg.paths.checkpoints}: this run's {pos.epoch} epochs are already trained; "
                       "writing its outputs", info=self.info)
         else:

@@ -1,0 +1,85 @@
+"""Best, not last: the exported weights are the best validation epoch's; early stopping; both survive
+an interruption exactly."""
+
+from __future__ import annotations
+
+import csv
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ddpipe.config import TrainConfig
+from ddpipe.selection import ModelSelection
+from tests.conftest import CLONE_ENV, ROOT, args_for, run, subprocess_env, weights
+
+
+def test_the_best_epoch_is_kept_and_ties_keep_the_earliest() -> None:
+    sel, model = ModelSelection(TrainConfig(export="best", early_stopping_patience=2)), nn.Linear(2, 1)
+    for epoch, acc in enumerate([0.5, 0.7, 0.7, 0.6], start=1):
+        with torch.no_grad():
+            model.weight.fill_(epoch)
+        sel.update(epoch, acc, model)
+        assert sel.should_stop(epoch) == (epoch == 4)  # 2 epochs after the best (epoch 2)
+    exported, epoch = sel.exported(model, 4)
+    assert epoch == 2 and torch.equal(exported["weight"], torch.full((1, 2), 2.0))
+    last, last_epoch = ModelSelection(TrainConfig(export="last")).exported(model, 4)
+    assert last_epoch == 4 and torch.equal(last["weight"], model.weight)
+
+
+def test_the_selection_travels_in_a_weights_only_checkpoint(tmp_path: Path) -> None:
+    sel, model = ModelSelection(TrainConfig()), nn.Linear(2, 1)
+    sel.update(3, 0.9, model)
+    torch.save({"selection": sel.state_dict()}, tmp_path / "c.pt")
+    again = ModelSelection(TrainConfig())
+    again.load_state_dict(torch.load(tmp_path / "c.pt", weights_only=True)["selection"])
+    assert (again.best_epoch, again.best_val_accuracy) == (3, 0.9)
+    assert torch.equal(again.best_weights["weight"], model.weight)
+    assert not ModelSelection(TrainConfig()).should_stop(10)  # patience off by default
+
+
+def _history(tmp: Path) -> list[dict[str, float]]:
+    with open(tmp / "history.csv") as f:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+@pytest.mark.slow
+def test_early_stopping_and_best_export_resume_exactly(tmp_path: Path, prepared: Path) -> None:
+    """Uninterrupted vs stopped by SIGTERM after its first checkpoint and resumed: the same epochs, the
+    same best epoch, bit-identical exported weights. Then export=last rewrites the outputs from the
+    same checkpoints (export does not change the trajectory) with the last epoch's weights."""
+    extra = ("num_epochs=6", "train.early_stopping_patience=1", "train.base_lr=0.02")
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    run(["python", "stages/train.py", *args_for(whole, prepared, *extra)], env=CLONE_ENV)
+    history = _history(whole)
+    accs = [h["val_accuracy"] for h in history]
+    best = 1 + accs.index(max(accs))
+    assert len(history) == min(6, best + 1)  # stopped one epoch after the best, or ran out of epochs
+    train_metrics = json.loads((whole / "train.json").read_text())["train"]
+    assert train_metrics["best_epoch"] == train_metrics["exported_epoch"] == best
+
+    proc = subprocess.Popen(["python", "stages/train.py", *args_for(parts, prepared, *extra)], cwd=ROOT,
+                            env=subprocess_env(CLONE_ENV), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not list((parts / "ckpt").glob("ckpt-*.pt")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    run(["python", "stages/train.py", *args_for(parts, prepared, *extra)], env=CLONE_ENV)
+    assert _history(parts) == [{**h, "images_per_s": p["images_per_s"], "epoch_seconds": p["epoch_seconds"]}
+                               for h, p in zip(history, _history(parts))]
+    assert json.loads((parts / "train.json").read_text())["train"]["exported_epoch"] == best
+    assert all(torch.equal(a, b) for a, b in zip(weights(whole / "model.pt").values(),
+                                                  weights(parts / "model.pt").values()))
+
+    last = run(["python", "stages/train.py", *args_for(whole, prepared, *extra, "train.export=last")], env=CLONE_ENV)
+    assert "already trained" in last.stdout
+    assert json.loads((whole / "train.json").read_text())["train"]["exported_epoch"] == len(history)
+    payload = torch.load(whole / "model.pt", weights_only=True)
+    assert payload["exported_epoch"] == len(history)
