@@ -9,7 +9,7 @@ BIN    := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
-.PHONY: setup data-package repro test test-fast lint bench clean-runs
+.PHONY: setup data-package repro test test-fast lint bench clean-runs ui-deps
 
 setup: $(VENV)/.installed data-package
 
@@ -28,10 +28,17 @@ data-package:
 		|| echo "warning: could not install dataset-fashion-mnist; the fetch stage will try to download"; \
 	else echo "note: $(FASHION_DIR) missing and apt-get unavailable (or not root); the fetch stage will download"; fi
 
+# Headless Chromium, for the test that looks at `mlflow ui` as a person would (tests/test_ui.py skips without it).
+ui-deps:
+	@if command -v chromium >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -q && apt-get install -y -q chromium) || echo "warning: could not install chromium"; \
+	else echo "note: chromium missing and apt-get unavailable (or not root); tests/test_ui.py will skip"; fi
+
 repro: setup
 	dvc repro
 
-test: setup
+test: setup ui-deps
 	python -m pytest
 
 test-fast: setup
@@ -39,6 +46,13 @@ test-fast: setup
 
 lint: setup
 	ruff check src stages tests bench
+
+# Start the MLflow store afresh: mlflow.db and mlartifacts/ move to runs-backup-<time>/ (nothing is deleted).
+clean-runs:
+	@stamp=runs-backup-$$(date +%Y%m%d-%H%M%S); moved=; \
+	for f in mlflow.db mlflow.db-wal mlflow.db-shm mlartifacts; do \
+		if [ -e $$f ]; then mkdir -p $$stamp && mv $$f $$stamp/ && moved="$$moved $$f"; fi; done; \
+	if [ -n "$$moved" ]; then echo "moved$$moved to $$stamp/"; else echo "no MLflow store here; nothing to move"; fi
 
 bench: setup
 	python -c "import lightning" 2>/dev/null || python -m pip install -e '.[dev,bench]'
