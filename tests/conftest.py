@@ -38,6 +38,7 @@ def tiny_overrides(tmp: Path) -> list[str]:
         f"paths.model={tmp}/model.pt", f"paths.run_info={tmp}/run.json",
         f"paths.train_metrics={tmp}/train.json", f"paths.history={tmp}/history.csv",
         f"paths.test_metrics={tmp}/test.json", f"paths.confusion={tmp}/confusion.csv",
+        f"paths.per_class={tmp}/per_class.csv",
         f"paths.reports={tmp}/reports", "train.progress_bar=false", "num_epochs=2",
         f"mlflow.tracking_uri=sqlite:///{tmp}/mlflow.db",
         "model.width=8", "train.batch_size_per_rank=32", "train.eval_batch_size_per_rank=100",
@@ -176,6 +177,21 @@ def run(cmd: list[str] | str, cwd: Path = ROOT, env: dict | None = None, timeout
         raise AssertionError(f"{cmd} exited {result.returncode}\nstdout:\n{result.stdout[-4000:]}\n"
                              f"stderr:\n{result.stderr[-6000:]}")
     return result
+
+
+def wait_for_url(url: str, seconds: float, proc: subprocess.Popen | None = None) -> None:
+    """Until ``url`` answers (a server we started: ``proc``, whose early exit fails at once)."""
+    import time
+    import urllib.request
+
+    deadline = time.time() + seconds
+    while time.time() < deadline and (proc is None or proc.poll() is None):
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"{url} did not come up in {seconds} s" + (f" (exit code {proc.poll()})" if proc else ""))
 
 
 def torchrun(nproc: int, *args: str, extra: tuple[str, ...] = ()) -> list[str]:

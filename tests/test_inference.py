@@ -18,7 +18,7 @@ from ddpipe.config import ModelConfig
 from ddpipe.data import InMemoryDataset
 from ddpipe.inference import ImageClassifier, prediction_frame
 from ddpipe.models import build_model, save_model
-from tests.conftest import VENV_BIN, args_for, free_port, run, subprocess_env
+from tests.conftest import VENV_BIN, args_for, free_port, run, subprocess_env, wait_for_url
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_the_served_model_answers_plain_images_as_the_evaluate_stage_did(tmp_pat
         start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_for(f"{url}/ping", server, 120)
+        wait_for_url(f"{url}/ping", 120, server)
         images = test.images[:, 0].numpy()
         answer = _post(f"{url}/invocations", {"inputs": images.tolist()})["predictions"]
         assert [p["label"] for p in answer] == evaluated
@@ -123,16 +123,3 @@ def test_the_served_model_answers_plain_images_as_the_evaluate_stage_did(tmp_pat
     finally:
         os.killpg(server.pid, 15)
         server.wait(timeout=30)
-
-
-def _wait_for(url: str, proc: subprocess.Popen, seconds: float) -> None:
-    import time
-
-    deadline = time.time() + seconds
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"{url} did not come up in {seconds} s (exit code {proc.poll()})")

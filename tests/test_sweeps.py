@@ -16,7 +16,8 @@ from tests.conftest import CLONE_ENV, run
 def _child(lr: str, seed: str, acc: float | None, f1: float = 0.5) -> SimpleNamespace:
     metrics = {} if acc is None else {"test_accuracy": acc, "test_macro_f1": f1}
     params = {"train.base_lr": lr, "seed": seed, "num_epochs": "2", "effective_lr": lr, "world_size": "1"}
-    return SimpleNamespace(data=SimpleNamespace(params=params, metrics=metrics), info=SimpleNamespace(status="FINISHED"))
+    return SimpleNamespace(data=SimpleNamespace(params=params, metrics=metrics),
+                           info=SimpleNamespace(status="FINISHED"))
 
 
 def test_children_group_by_what_varies_besides_the_seed() -> None:

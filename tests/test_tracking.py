@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +28,7 @@ from tests.conftest import (
     free_port,
     run,
     subprocess_env,
+    wait_for_url,
 )
 
 
@@ -112,19 +112,10 @@ def test_training_and_evaluation_make_one_complete_run(tmp_path: Path, prepared:
     assert len(models) == 1
 
 
-def _wait_for(url: str, seconds: float) -> None:
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"{url} did not come up in {seconds} s")
-
-
 @pytest.mark.slow
-def test_real_mlflow_server(tmp_path: Path, prepared: Path) -> None:
+def test_real_mlflow_server_gets_system_metrics_from_every_node(tmp_path: Path, prepared: Path) -> None:
+    """Two torchrun agents (two "nodes" on one host, c10d rendezvous) log to a real `mlflow server`:
+    one run, with MLflow's system metrics from node0 (rank 0) and node1 (the other agent's local rank 0)."""
     port = free_port()
     server = subprocess.Popen(
         [str(VENV_BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
@@ -133,13 +124,24 @@ def test_real_mlflow_server(tmp_path: Path, prepared: Path) -> None:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         uri = f"http://127.0.0.1:{port}"
-        _wait_for(f"{uri}/health", 90)
-        run(["python", "stages/train.py", *args_for(tmp_path, prepared, "num_epochs=1")],
-            env={"MLFLOW_TRACKING_URI": uri})
-        runs = _client(uri).search_runs([_client(uri).get_experiment_by_name("ddpipe").experiment_id])
-        assert len(runs) == 1 and len(_client(uri).get_metric_history(runs[0].info.run_id, "val_loss")) == 1
+        wait_for_url(f"{uri}/health", 90, server)
+        rdzv = free_port()
+        env = subprocess_env({"MLFLOW_TRACKING_URI": uri, "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"})
+        agents = [subprocess.Popen(
+            [str(VENV_BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+             f"--rdzv-endpoint=127.0.0.1:{rdzv}", "--rdzv-id=sysmetrics", str(ROOT / "stages" / "train.py"),
+             *args_for(tmp_path, prepared, "num_epochs=2")],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+        for agent in agents:
+            out, _ = agent.communicate(timeout=600)
+            assert agent.returncode == 0, out[-4000:]
+        client = _client(uri)
+        (r,) = client.search_runs([client.get_experiment_by_name("ddpipe").experiment_id])
+        assert r.info.status == "FINISHED" and len(client.get_metric_history(r.info.run_id, "val_loss")) == 2
+        for node in ("node0", "node1"):
+            assert f"system/{node}/cpu_utilization_percentage" in r.data.metrics, sorted(r.data.metrics)
     finally:
-        os.killpg(server.pid, 15)
+        os.killpg(server.pid, 9)  # the server's job-queue workers ignore SIGTERM
         server.wait(timeout=30)
 
 

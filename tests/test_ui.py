@@ -8,13 +8,12 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import CLONE_ENV, VENV_BIN, args_for, free_port, run, subprocess_env
+from tests.conftest import CLONE_ENV, VENV_BIN, args_for, free_port, run, subprocess_env, wait_for_url
 
 CHROMIUM = shutil.which("chromium")
 # No background traffic (this machine has no internet) and a fresh profile: a first visit, as a newcomer's.
@@ -48,7 +47,7 @@ def test_mlflow_ui_opens_on_the_runs_table_and_compares_two_runs(tmp_path: Path,
                               start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"
-        _wait_for(f"{base}/health", 90)
+        wait_for_url(f"{base}/health", 90, server)
         page = render(link.replace("http://127.0.0.1:5000", base), f"--screenshot={tmp_path / 'runs.png'}")
         assert "<title>Runs - Experiment" in page, page[:2000]
         for text in ("lr-small", "lr-large", "test_accuracy", "test_macro_f1", "world_size", "effective_lr"):
@@ -67,14 +66,3 @@ def test_mlflow_ui_opens_on_the_runs_table_and_compares_two_runs(tmp_path: Path,
     finally:
         os.killpg(server.pid, 9)  # mlflow ui's job-queue workers ignore SIGTERM
         server.wait(timeout=30)
-
-
-def _wait_for(url: str, seconds: float) -> None:
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"{url} did not come up in {seconds} s")
