@@ -74,8 +74,9 @@ def is_server(uri: str) -> bool:
 # metric columns unless a view is selected: the experiment tag mlflow.sharedViewState.<key>, opened with
 # viewStateShareKey=<key>, selects the columns below and sorts by test accuracy.
 VIEW_KEY = "ddpipe"
-VIEW_COLUMNS = ("metrics.`test_accuracy`", "metrics.`test_macro_f1`", "params.`world_size`", "params.`effective_lr`",
-                "params.`train.base_lr`", "params.`num_epochs`", "params.`seed`", "params.`model.name`")
+# (the UI orders params by name: more of them push world_size off a 1920-pixel screen)
+VIEW_COLUMNS = ("attributes.`Dataset`", "metrics.`test_accuracy`", "metrics.`test_macro_f1`",
+                "params.`effective_lr`", "params.`world_size`")
 
 
 def runs_view_url(experiment_id: str, host: str = "http://127.0.0.1:5000", charts: bool = False) -> str:
@@ -162,12 +163,18 @@ class NodeMetricsTracker(NullTracker):
 
     def start(self, cfg: Config, derived: dict[str, Any], resume_run_id: str | None, markers: Path) -> None:
         super().start(cfg, derived, resume_run_id, markers)
-        if self.run_id:
+        if not self.run_id:
+            return
+        try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
             self.monitor = SystemMetricsMonitor(self.run_id, node_id=node_id(self.info), tracking_uri=self.uri,
                                                 resume_logging=resume_run_id is not None)
             self.monitor.start()
+        except Exception as exc:  # this node's metrics are not worth a failed training
+            warnings.warn(f"MLflow system metrics of {node_id(self.info)} are off ({type(exc).__name__}: {exc})",
+                          RuntimeWarning, stacklevel=2)
+            self.monitor = None
 
     def finish(self) -> None:
         if self.monitor is not None:
@@ -273,7 +280,8 @@ class MlflowTracker(NullTracker):
             return run.info.run_id
 
         self.run_id = self._call("start", go)
-        broadcast_object(self.run_id, self.info) if self.info else None
+        if self.info is not None:
+            broadcast_object(self.run_id, self.info)  # the other nodes' system metrics go into this run
 
     def _tags(self) -> dict[str, str]:
         import torch
