@@ -56,7 +56,7 @@ def test_tracking_uri_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 
 @pytest.mark.slow
 def test_training_and_evaluation_make_one_complete_run(tmp_path: Path, prepared: Path) -> None:
-    args = args_for(tmp_path, prepared, "mlflow.experiment_name=unit")
+    args = args_for(tmp_path, prepared, "mlflow.experiment_name=unit", "train.export=best")
     trained = run(["python", "stages/train.py", *args],
                   env={"DVC_EXP_NAME": "my-exp", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"})
     run(["python", "stages/evaluate.py", *args])

@@ -17,7 +17,8 @@ import torch
 from ddpipe import checkpoint as ckpt
 from ddpipe.data import BatchTransform, InMemoryDataset
 from ddpipe.distributed import DistInfo
-from ddpipe.training import evaluate_split, load_model
+from ddpipe.models import load_model
+from ddpipe.training import evaluate_split
 from tests.conftest import ROOT, args_for, max_rel_diff, run, spawn, subprocess_env, torchrun, weights
 
 
