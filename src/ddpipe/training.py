@@ -367,7 +367,7 @@ class Trainer:
     def validate(self) -> tuple[float, float]:
         """Loss and accuracy over the whole validation split, each sample counted exactly once."""
         return evaluate_split(self.module, self.val_set, self.transform, self.info,
-                              self.cfg.train.eval_batch_size_per_rank, self._autocast, self._pin)[:2]
+                              self.cfg.train.eval_batch_size_per_rank, self._autocast, self._pin)
 
     # -- the end -------------------------------------------------------------------------------
 
@@ -407,15 +407,13 @@ def history_csv(history: list[dict[str, float]]) -> str:
 
 @torch.no_grad()
 def evaluate_split(model: nn.Module, dataset: InMemoryDataset, transform: BatchTransform,
-                   info: dd.DistInfo, batch_size: int, autocast, pin: bool,
-                   keep_outputs: bool = False) -> tuple[float, float, torch.Tensor | None]:
-    """(mean loss, accuracy, [N, classes] logits on rank 0 if ``keep_outputs``) over ``dataset``,
-    spread over the ranks; DistributedSampler's padding repeats are excluded from every count."""
+                   info: dd.DistInfo, batch_size: int, autocast, pin: bool) -> tuple[float, float]:
+    """(mean loss, accuracy) over ``dataset``, spread over the ranks; DistributedSampler's padding
+    repeats are excluded from every count."""
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=info.device)
     seen = 0
-    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
     for images, labels, idx in eval_loader(dataset, batch_size, info.rank, info.world_size, pin):
         x = transform(images.to(info.device, non_blocking=True), idx, None)
         labels = labels.to(info.device, non_blocking=True)
@@ -426,27 +424,9 @@ def evaluate_split(model: nn.Module, dataset: InMemoryDataset, transform: BatchT
         loss = F.cross_entropy(logits, labels, reduction="none")
         sums += torch.stack([(loss * real).sum().double(),
                              ((logits.argmax(1) == labels) & real).sum().double(), real.sum().double()])
-        if keep_outputs:
-            kept.append((idx[real.cpu()], logits[real].cpu()))
     dd.all_reduce_sum(sums, info)
     model.train(was_training)
-    outputs = None
-    if keep_outputs:
-        outputs = _gather_outputs(kept, len(dataset), info)
-    return (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item(), outputs
-
-
-def _gather_outputs(kept: list, n: int, info: dd.DistInfo) -> torch.Tensor:
-    idx = torch.cat([k[0] for k in kept]) if kept else torch.zeros(0, dtype=torch.long)
-    logits = torch.cat([k[1] for k in kept]) if kept else torch.zeros(0)
-    if info.distributed:
-        parts: list[Any] = [None] * info.world_size
-        torch.distributed.all_gather_object(parts, (idx, logits))
-        idx = torch.cat([p[0] for p in parts])
-        logits = torch.cat([p[1] for p in parts])
-    out = torch.empty(n, logits.shape[1])
-    out[idx] = logits
-    return out
+    return (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item()
 
 
 def train(cfg: Config) -> dict[str, float]:
