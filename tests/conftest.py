@@ -47,6 +47,18 @@ def tiny_overrides(tmp: Path) -> list[str]:
     ]
 
 
+@pytest.fixture(autouse=True)
+def _mlflow_uris_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mlflow.set_tracking_uri`` in a test exports MLFLOW_TRACKING_URI to this process, and so to the
+    subprocesses of every later test (where it wins over their ``mlflow.tracking_uri``): undo it."""
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:  # recorded as absent, so the undo removes whatever a test set
+            monkeypatch.setenv(name, "")
+            monkeypatch.delenv(name)
+
+
 @pytest.fixture
 def tiny_cfg(tmp_path: Path):
     """``tiny_cfg(*extra)``: the real params.yaml + tiny overrides + ``extra``."""
