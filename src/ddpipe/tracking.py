@@ -235,9 +235,10 @@ class MlflowTracker(NullTracker):
                     mlflow.MlflowClient(self.uri).set_experiment_tag(exp.experiment_id, key, value)
             return exp.experiment_id
         location = None
-        if self.uri == default_store():
-            # Artifacts beside mlflow.db, not under the (possibly temporary) working directory.
-            location = (repo_root() / "mlartifacts").as_uri()
+        if self.uri.startswith("sqlite:///"):
+            # Artifacts beside the sqlite file (<repo root>/mlartifacts for the default store), not under
+            # ./mlruns of whatever (possibly temporary) directory the process runs in.
+            location = (Path(self.uri[len("sqlite:///"):]).resolve().parent / "mlartifacts").as_uri()
         try:
             return mlflow.create_experiment(self.cfg.experiment_name, artifact_location=location,
                                             tags=runs_view_tags())
