@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections import Counter
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,18 +108,11 @@ def summarise(cfg: Config, sweep: str) -> str:
         raise SweepError(f"sweep {sweep!r}: none of its {len(children)} run(s) has test metrics yet "
                          "(still queued or running? `dvc queue status`)")
     rows = table(groups, varying)
-    statuses = ", ".join(f"{n} {s}" for s, n in sorted(_count(c.info.status for c in children).items()))
+    statuses = ", ".join(f"{n} {s}" for s, n in sorted(Counter(c.info.status for c in children).items()))
     text = (f"sweep {sweep}: {len(children)} run(s) ({statuses}), {len(groups)} configuration(s), "
             f"mean ± std over seeds\n\n{markdown(rows)}")
     _log_to_parent(client, parent.info.run_id, groups, rows, text)
     return text
-
-
-def _count(items: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for i in items:
-        out[i] = out.get(i, 0) + 1
-    return out
 
 
 def _log_to_parent(client: Any, run_id: str, groups: list[Group], rows: list[list[str]], text: str) -> None:

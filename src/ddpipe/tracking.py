@@ -369,10 +369,12 @@ class MlflowTracker(NullTracker):
     # -- during and after ----------------------------------------------------------------------
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self._call("log_metrics", lambda: self._client().log_metrics(metrics, step=step))
+        self._call("log_metrics", lambda: self._client().MlflowClient(self.uri).log_batch(
+            self.run_id, metrics=[_metric(k, v, step) for k, v in metrics.items()]))
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        self._call("log_artifact", lambda: self._client().log_artifact(str(path), artifact_path))
+        self._call("log_artifact", lambda: self._client().MlflowClient(self.uri).log_artifact(
+            self.run_id, str(path), artifact_path))
 
     def _has_model(self, mlflow: Any, exported_epoch: Any) -> bool:
         """Whether this run already holds a completely logged ``model`` of the same exported epoch (a
@@ -461,14 +463,6 @@ class RunLogger(MlflowTracker):
     def __init__(self, cfg: MlflowConfig, run_id: str) -> None:
         super().__init__(cfg)
         self.run_id = run_id
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self._call("log_metrics", lambda: self._client().MlflowClient(self.uri).log_batch(
-            self.run_id, metrics=[_metric(k, v, step) for k, v in metrics.items()]))
-
-    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        self._call("log_artifact", lambda: self._client().MlflowClient(self.uri).log_artifact(
-            self.run_id, str(path), artifact_path))
 
 
 def _metric(key: str, value: float, step: int | None) -> Any:
