@@ -33,14 +33,14 @@ def main() -> None:
 
         print(resolve_nproc(cfg.distributed))
         return
-    from ddpipe.distributed import Terminated
+    from ddpipe.preemption import EXIT_PREEMPTED, Preempted
 
     try:
         train(cfg)
-    except Terminated as exc:  # 128 + signal number, as a shell reports a process the signal ended
-        print(f"training stopped: {exc}; its MLflow run is KILLED (the next run resumes from the newest "
-              "checkpoint)", file=sys.stderr, flush=True)
-        raise SystemExit(128 + exc.signum) from None
+    except Preempted as exc:  # the run is KILLED in MLflow; the same command resumes it
+        print(f"training {exc}; run the same command to resume from the newest checkpoint "
+              f"(exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_PREEMPTED) from None
 
 
 if __name__ == "__main__":

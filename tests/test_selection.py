@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ddpipe.config import TrainConfig
+from ddpipe.preemption import EXIT_PREEMPTED
 from ddpipe.selection import ModelSelection
 from tests.conftest import CLONE_ENV, ROOT, args_for, run, subprocess_env, weights
 
@@ -70,7 +71,7 @@ def test_early_stopping_and_best_export_resume_exactly(tmp_path: Path, prepared:
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert proc.returncode == EXIT_PREEMPTED, err[-2000:]
     run(["python", "stages/train.py", *args_for(parts, prepared, *extra)], env=CLONE_ENV)
     assert _history(parts) == [{**h, "images_per_s": p["images_per_s"], "epoch_seconds": p["epoch_seconds"]}
                                for h, p in zip(history, _history(parts))]

@@ -216,12 +216,12 @@ def _runs(tmp: Path, experiment: str = "ddpipe") -> list:
 
 
 def test_end_reasons_name_the_cause() -> None:
-    from ddpipe.distributed import Terminated
+    from ddpipe.preemption import Preempted
     from ddpipe.tracking import end_reason
 
     assert end_reason(KeyboardInterrupt()) == ("KILLED", "interrupted by SIGINT (Ctrl-C)")
-    status, why = end_reason(Terminated(15))
-    assert status == "KILLED" and "SIGTERM" in why
+    status, why = end_reason(Preempted(15, 1, 7))
+    assert status == "KILLED" and why.startswith("stopped by SIGTERM at epoch 2, step 7")
     assert end_reason(ValueError("bad value\nmore")) == ("FAILED", "ValueError: bad value")
 
 
@@ -257,8 +257,8 @@ def _wait_for_first_checkpoint(directory: Path, proc: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 def test_sigterm_ends_killed_and_the_resumed_attempt_reopens_the_same_run(tmp_path: Path, prepared: Path) -> None:
-    """SIGTERM to torchrun (as a scheduler sends it) reaches the worker: its run ends KILLED, saying so,
-    and the exit code is 128 + 15. The next attempt resumes the checkpoint into the same run, which
+    """SIGTERM to torchrun (as a scheduler sends it) reaches the worker: it stops at a step and its run
+    ends KILLED, saying so. The next attempt resumes the checkpoint into the same run, which
     ends FINISHED with every epoch logged once."""
     from tests.conftest import torchrun
 
@@ -269,7 +269,7 @@ def test_sigterm_ends_killed_and_the_resumed_attempt_reopens_the_same_run(tmp_pa
     proc.send_signal(15)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0, out[-3000:]
-    assert "training stopped: terminated by signal SIGTERM" in out
+    assert "training stopped by SIGTERM at epoch" in out
     (killed,) = _runs(tmp_path)
     assert killed.info.status == "KILLED" and "SIGTERM" in killed.data.tags["ddpipe.end_reason"]
 

@@ -134,6 +134,10 @@ class DistributedConfig:
         None, "CPU threads per process (null = cores / local world size).", ge=1
     )
     timeout_s: int = _p(600, "Bound on every collective; a silent rank fails the job after this.", ge=1)
+    shutdown_timeout_s: int = _p(
+        60, "torchrun --shutdown-timeout: after forwarding a stop signal, seconds it gives the workers to "
+        "checkpoint their step and exit before it kills them.", ge=1,
+    )
 
 
 @dataclass

@@ -7,12 +7,9 @@ says who we are; as a plain ``python`` process we are rank 0 of 1 and no process
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
-import signal
 import socket
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -112,30 +109,6 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
         torch.set_num_threads(cfg.threads_per_process or max(1, cpu_count() // sharing))
     num_nodes = max(1, world_size // max(1, local_world_size))
     return DistInfo(under_launcher, rank, local_rank, world_size, local_world_size, num_nodes, device, backend)
-
-
-class Terminated(BaseException):
-    """SIGTERM turned into an exception, so that a stopped training unwinds (its MLflow run is closed
-    as KILLED) instead of vanishing. A BaseException: no ``except Exception`` swallows it."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"terminated by signal {signal.Signals(signum).name}")
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def signals_raise() -> Iterator[None]:
-    """Within this block SIGTERM (a scheduler's stop, torchrun forwarding one) raises
-    :class:`Terminated`, as SIGINT raises KeyboardInterrupt; the previous handler comes back after."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise Terminated(signum)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 class CollectiveTimeout(RuntimeError):

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import re
 import sys
-from collections import Counter
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

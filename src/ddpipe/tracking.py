@@ -4,10 +4,11 @@ One training is one MLflow run at any world size. The training loop calls the tr
 unconditionally. Tracking never kills or hangs training: every call is bounded (short HTTP timeouts,
 few retries), and after the first failure the tracker warns once and turns itself off.
 
-A run's status says how it ended: FINISHED; FAILED (an exception) or KILLED (SIGINT/SIGTERM), with the
-reason in the tag ``ddpipe.end_reason``. A process killed outright (SIGKILL, a lost node) leaves its
-run RUNNING and a marker file in ``paths.checkpoints``: the next attempt reopens that run when it
-resumes the run's checkpoint, and otherwise closes it as FAILED, saying why.
+A run's status says how it ended: FINISHED; FAILED (an exception) or KILLED (SIGINT, or preempted by
+SIGTERM/SIGUSR1), with the reason in the tag ``ddpipe.end_reason``. A process killed outright
+(SIGKILL, a lost node) leaves its run RUNNING and a marker file in ``paths.checkpoints``: the next
+attempt reopens that run when it resumes the run's checkpoint, and otherwise closes it as FAILED,
+saying why.
 
 Where runs go: ``MLFLOW_TRACKING_URI`` if set; else ``mlflow.tracking_uri``; else
 ``sqlite:///<repo root>/mlflow.db`` with artifacts in ``<repo root>/mlartifacts``, where the repo
@@ -23,7 +24,6 @@ import hashlib
 import json
 import os
 import platform
-import signal
 import socket
 import subprocess
 import tempfile
@@ -35,8 +35,9 @@ from typing import Any
 
 from ddpipe import __version__
 from ddpipe.config import Config, MlflowConfig, flatten
-from ddpipe.distributed import DistInfo, Terminated, broadcast_object
+from ddpipe.distributed import DistInfo, broadcast_object
 from ddpipe.fsutil import atomic_write_json
+from ddpipe.preemption import Preempted
 
 # Bounded cost when a tracking server is down or slow (the user's own settings win).
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
@@ -107,9 +108,9 @@ def end_reason(exc: BaseException) -> tuple[str, str]:
     """(MLflow status, the ``ddpipe.end_reason`` tag) for a training that ends by raising ``exc``."""
     if isinstance(exc, KeyboardInterrupt):
         return "KILLED", "interrupted by SIGINT (Ctrl-C)"
-    if isinstance(exc, Terminated):
-        return "KILLED", f"terminated by {signal.Signals(exc.signum).name} (a scheduler's stop or preemption, " \
-                         "or torchrun forwarding one)"
+    if isinstance(exc, Preempted):
+        return "KILLED", f"{exc} (a scheduler's stop, preemption or time limit, or torchrun forwarding one); " \
+                         "the same command resumes from the checkpoint of that step, into this run"
     detail = (str(exc).strip().splitlines() or [""])[0][:400]
     return "FAILED", f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
 

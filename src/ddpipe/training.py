@@ -26,6 +26,7 @@ from ddpipe.exact import clip_grad_norm_ as exact_clip_grad_norm_
 from ddpipe.exact import make_exact
 from ddpipe.fsutil import atomic_write_json, atomic_write_text
 from ddpipe.models import build_model, save_model
+from ddpipe.preemption import Preempted, StopRequests
 from ddpipe.selection import ModelSelection
 from ddpipe.tracking import NullTracker, make_tracker
 
@@ -33,7 +34,7 @@ from ddpipe.tracking import NullTracker, make_tracker
 _NOT_TRAJECTORY = ("distributed.max_restarts", "distributed.timeout_s", "distributed.nproc_per_node",
                    "distributed.nnodes", "distributed.rdzv_endpoint", "distributed.rdzv_id",
                    "train.progress_bar", "train.checkpoint_every_steps", "train.keep_checkpoints",
-                   "train.eval_batch_size_per_rank", "train.export")
+                   "train.eval_batch_size_per_rank", "train.export", "distributed.shutdown_timeout_s")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,8 +129,10 @@ class EpochStats:
 class Trainer:
     """Builds everything from the config, then ``fit()`` trains, validates and checkpoints."""
 
-    def __init__(self, cfg: Config, info: dd.DistInfo) -> None:
+    def __init__(self, cfg: Config, info: dd.DistInfo, stops: StopRequests | None = None) -> None:
         self.cfg, self.info, tc = cfg, info, cfg.train
+        # stop signals seen by any rank, asked at every step (train() installs the handlers)
+        self.stops = stops or StopRequests(info, cfg.distributed.timeout_s)
         self.device = info.device
         self.precision = resolve_precision(tc.precision, self.device)
         self.channels_last = use_channels_last(tc.channels_last, self.device, self.precision)
@@ -211,7 +214,7 @@ class Trainer:
 
     # -- resume --------------------------------------------------------------------------------
 
-    def _resume(self) -> tuple[ckpt.Position, str | None]:
+    def _resume(self) -> tuple[ckpt.Position, str | None, torch.Tensor]:
         """Load the newest valid checkpoint of this run on rank 0 and share it with every rank."""
         found = None
         if self.info.is_main:
@@ -223,7 +226,7 @@ class Trainer:
                 dd.print0(f"starting fresh ({self.cfg.paths.checkpoints}: {why})")
         found = dd.broadcast_object(found, self.info)
         if found is None:
-            return ckpt.Position(0, 0), None
+            return ckpt.Position(0, 0), None, _no_progress()
         pos, state = found
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -238,15 +241,19 @@ class Trainer:
         else:
             dd.print0(f"resuming from {self.cfg.paths.checkpoints} at epoch {pos.epoch + 1}, step {pos.step}",
                       info=self.info)
-        return pos, state.get("run_id") or None
+        # the interrupted epoch's loss and accuracy sums and seconds so far (mid-epoch checkpoints)
+        return pos, state.get("run_id") or None, state.get("epoch_progress", _no_progress())
 
-    def _save(self, pos: ckpt.Position) -> None:
+    def _save(self, pos: ckpt.Position, progress: torch.Tensor | None = None) -> None:
+        """Rank 0 writes the checkpoint of ``pos`` while the others wait. ``progress``: the epoch's sums
+        over every rank and its seconds so far, for a checkpoint taken mid-epoch."""
         if self.info.is_main:
             state = {
                 "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "rng": ckpt.rng_state(), "history": self.history, "run_id": self.tracker.run_id or "",
                 "selection": self.selection.state_dict(),
+                "epoch_progress": _no_progress() if progress is None else progress,
             }
             ckpt.save_checkpoint(Path(self.cfg.paths.checkpoints), self.fingerprint, pos, state,
                                  self.cfg.train.keep_checkpoints)
@@ -255,7 +262,7 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------
 
     def fit(self) -> dict[str, float]:
-        pos, run_id = self._resume()
+        pos, run_id, progress = self._resume()
         self.tracker.start(self.cfg, self.derived(), run_id, Path(self.cfg.paths.checkpoints))
         dd.print0(
             f"world size {self.info.world_size} ({self.info.num_nodes} node(s), backend "
@@ -264,11 +271,14 @@ class Trainer:
             f"({self.cfg.train.lr_scaling} scaling of {self.cfg.train.base_lr:g}), global batch "
             f"{self.derived()['global_batch_size']}, {self.steps_per_epoch} steps/epoch", info=self.info)
         for epoch in range(pos.epoch, self.cfg.num_epochs):
+            if signum := self.stops.agreed():  # this position's checkpoint is on disk already
+                raise Preempted(signum, epoch, pos.step if epoch == pos.epoch else 0)
             if self.selection.should_stop(epoch):
                 dd.print0(f"early stopping after epoch {epoch}: no better validation accuracy since epoch "
                           f"{self.selection.best_epoch} ({self.selection.best_val_accuracy:.4f})", info=self.info)
                 break
-            stats = self.run_epoch(epoch, pos.step if epoch == pos.epoch else 0)
+            resumed = epoch == pos.epoch
+            stats = self.run_epoch(epoch, pos.step if resumed else 0, progress if resumed else _no_progress())
             self.history.append(asdict(stats))
             self.selection.update(stats.epoch, stats.val_accuracy, self.module)
             # MLflow steps are epochs counted from 1, as in the history DVC plots
@@ -277,7 +287,8 @@ class Trainer:
             self._save(ckpt.Position(epoch + 1, 0))
         return self.finish()
 
-    def run_epoch(self, epoch: int, start_step: int) -> EpochStats:
+    def run_epoch(self, epoch: int, start_step: int, progress: torch.Tensor) -> EpochStats:
+        """One epoch from ``start_step``; ``progress``: what a checkpoint recorded of the steps before it."""
         tc, info = self.cfg.train, self.info
         accum = tc.grad_accum_steps
         # set_epoch(epoch): a new shuffle and new shards every epoch; a resumed epoch starts at its step
@@ -285,7 +296,7 @@ class Trainer:
         self.model.train()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, count
         bar = self._progress(epoch, len(loader) // accum, start_step)
-        step, t0 = start_step, time.perf_counter()
+        step, t0 = start_step, time.perf_counter() - progress[3].item()
         for i, (images, labels, idx) in enumerate(loader):
             images = images.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
@@ -310,12 +321,21 @@ class Trainer:
                 if step % 10 == 0:
                     rate = sums[2].item() * info.world_size / (time.perf_counter() - t0)
                     bar.set_postfix(loss=f"{sums[0].item() / sums[2].item():.4f}", img_s=f"{rate:.0f}")
-            if tc.checkpoint_every_steps and step % tc.checkpoint_every_steps == 0 \
-                    and step < self.steps_per_epoch:
-                self._save(ckpt.Position(epoch, step))
+            if step == self.steps_per_epoch:  # the epoch's end checkpoints (and stops) in fit()
+                continue
+            signum = self.stops.agreed()
+            if signum or (tc.checkpoint_every_steps and step % tc.checkpoint_every_steps == 0):
+                sofar = dd.all_reduce_sum(sums.clone(), info) + progress[:3].to(self.device)
+                self._save(ckpt.Position(epoch, step), torch.cat([sofar.cpu(), torch.tensor(
+                    [time.perf_counter() - t0], dtype=torch.float64)]))
+            if signum:
+                if bar is not None:
+                    bar.close()
+                raise Preempted(signum, epoch, step)
         if bar is not None:
             bar.close()
         dd.all_reduce_sum(sums, info)
+        sums += progress[:3].to(self.device)
         seconds = time.perf_counter() - t0
         val_loss, val_acc = self.validate()
         stats = EpochStats(
@@ -399,6 +419,11 @@ class Trainer:
         return metrics
 
 
+def _no_progress() -> torch.Tensor:
+    """Epoch progress at an epoch's start: loss sum, correct, count, seconds."""
+    return torch.zeros(4, dtype=torch.float64)
+
+
 def history_csv(history: list[dict[str, float]]) -> str:
     keys = list(history[0])
     lines = [",".join(keys)] + [",".join(f"{h[k]:.6g}" for k in keys) for h in history]
@@ -431,12 +456,13 @@ def evaluate_split(model: nn.Module, dataset: InMemoryDataset, transform: BatchT
 
 def train(cfg: Config) -> dict[str, float]:
     """Set up this process, train, and always tear the process group down. A training that raises,
-    or is stopped by SIGINT/SIGTERM, closes its MLflow run as FAILED or KILLED, saying why."""
+    is interrupted (SIGINT) or preempted (SIGTERM, SIGUSR1: it stops at a step after a checkpoint,
+    see ddpipe.preemption) closes its MLflow run as FAILED or KILLED, saying why."""
     info = dd.init_distributed(cfg.distributed)
     trainer = None
     try:
-        with dd.signals_raise():
-            trainer = Trainer(cfg, info)
+        with StopRequests(info, cfg.distributed.timeout_s) as stops:
+            trainer = Trainer(cfg, info, stops)
             return trainer.fit()
     except BaseException as exc:
         if trainer is not None:

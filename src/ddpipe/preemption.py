@@ -1,0 +1,80 @@
+"""Preemption: a stop signal ends training at a step every rank agrees on, after a checkpoint of that step.
+
+Schedulers stop a job with a signal and kill it a grace period later: SLURM sends SIGTERM at the time
+limit, on preemption and on ``scontrol requeue`` (then SIGKILL after KillWait), and SIGUSR1 ahead of
+the time limit when asked to (``sbatch --signal=USR1@120``); Kubernetes sends SIGTERM on eviction
+(then SIGKILL after terminationGracePeriodSeconds). torchrun forwards both to its workers when they
+are in ``--signals-to-handle`` and waits ``--shutdown-timeout`` seconds before killing them.
+
+In a worker, :class:`StopRequests` turns SIGTERM and SIGUSR1 into a flag. The trainer asks
+:meth:`StopRequests.agreed` at every optimizer step (a one-integer all-reduce, so that every rank sees
+the same answer at the same step even when the signal reached them at different times); when it says
+stop, global rank 0 writes a checkpoint of that step and every rank raises :class:`Preempted`. The
+process exits with :data:`EXIT_PREEMPTED`, and running the same command again resumes from that
+step, ending with exactly the weights of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ddpipe.distributed import DistInfo
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+# EX_TEMPFAIL (sysexits.h): "a temporary failure; the user is invited to retry". A training that
+# stopped for a signal with its progress saved exits with it; the same command resumes.
+EXIT_PREEMPTED = 75
+
+
+class Preempted(BaseException):
+    """Training stopped for a stop signal at a step boundary, its progress saved. A BaseException, like
+    KeyboardInterrupt: no ``except Exception`` swallows it on its way out."""
+
+    def __init__(self, signum: int, epoch: int, step: int) -> None:
+        self.signum, self.epoch, self.step = signum, epoch, step
+        super().__init__(f"stopped by {signal.Signals(signum).name} at epoch {epoch + 1}, step {step}")
+
+
+class StopRequests:
+    """Within ``with``: SIGTERM and SIGUSR1 set a flag instead of ending the process. Each rank then
+    calls :meth:`agreed` at the same points of the loop; the previous handlers come back on exit."""
+
+    def __init__(self, info: DistInfo, timeout_s: int) -> None:
+        self.signum = 0
+        self._main = info.is_main
+        self._group = None
+        if info.distributed:
+            # A CPU integer on a gloo group: on NCCL jobs too, so that asking never waits for the GPU.
+            self._group = dist.group.WORLD if info.backend == "gloo" else \
+                dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopRequests:
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._record)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _record(self, signum: int, frame: object) -> None:
+        if not self.signum and self._main:
+            print(f"received {signal.Signals(signum).name}: stopping at the next step, after a checkpoint",
+                  file=sys.stderr, flush=True)
+        self.signum = self.signum or signum
+
+    def agreed(self) -> int:
+        """The stop signal's number if any rank has received one, else 0. A collective: every rank calls
+        it at the same step."""
+        if self._group is None:
+            return self.signum
+        flag = torch.tensor([self.signum], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return int(flag.item())

@@ -1,0 +1,181 @@
+"""Preemption with real signals at a random step: every rank stops at the same step, rank 0 checkpoints
+it, the exit code asks for a resume, and the resumed run ends with the uninterrupted run's weights."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from ddpipe.preemption import EXIT_PREEMPTED
+from tests.conftest import CLONE_ENV, GIT_ENV, ROOT, args_for, run, subprocess_env, weights
+
+# 2 processes x 1 thread, about 30 steps an epoch on the session's 1,050 training images
+EXTRA = ("num_epochs=3", "train.batch_size_per_rank=16", "distributed.nproc_per_node=2",
+         "distributed.threads_per_process=1")
+EPOCH_END = re.compile(r"epoch 1/\d+: .* ([\d.]+) s\n")
+STOPPED = re.compile(r"stopped by (SIG\w+) at epoch (\d+), step (\d+)")
+
+
+def launch(tmp: Path, prepared: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "ddpipe.launch", *args_for(tmp, prepared, *EXTRA, *extra)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> dict[str, torch.Tensor]:
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    run(launch(tmp, prepared), env=CLONE_ENV)
+    return weights(tmp / "model.pt")
+
+
+def _train_workers(launcher: subprocess.Popen, count: int) -> dict[int, psutil.Process]:
+    """{global rank: process} of the training workers started under ``launcher``, once all are up."""
+    deadline = time.time() + 120
+    while time.time() < deadline and launcher.poll() is None:
+        found = {}
+        for p in psutil.Process(launcher.pid).children(recursive=True):
+            try:
+                if any(a.endswith("train.py") for a in p.cmdline()) and "RANK" in p.environ():
+                    found[int(p.environ()["RANK"])] = p
+            except psutil.NoSuchProcess:
+                continue
+        if len(found) == count:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"{count} workers did not start (launcher exit {launcher.poll()})")
+
+
+def _signal_at_a_random_step(launcher: subprocess.Popen, log: Path, target, signum: int) -> float:
+    """Once the first epoch has begun, wait a random part of an epoch, then send ``signum``."""
+    deadline = time.time() + 180
+    while "steps/epoch" not in log.read_text() and time.time() < deadline and launcher.poll() is None:
+        time.sleep(0.05)
+    time.sleep(random.uniform(0.5, 4.0))
+    assert launcher.poll() is None, log.read_text()[-3000:]
+    sent = time.time()
+    target.send_signal(signum)
+    return sent
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_a_stop_signal_to_one_rank_stops_every_rank_at_one_step_and_the_restart_ends_equal(
+        tmp_path: Path, prepared: Path, uninterrupted: dict[str, torch.Tensor]) -> None:
+    """SIGUSR1 (SLURM's warning before a time limit) reaches rank 1 only: rank 0 learns of it through the
+    per-step agreement, both stop after the same step, rank 0 checkpoints it, both exit 75; torchrun
+    restarts the group (max_restarts=1), which resumes at that step and ends bit-equal."""
+    log = tmp_path / "log.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(launch(tmp_path, prepared, "distributed.max_restarts=1"), cwd=ROOT,
+                                env=subprocess_env(CLONE_ENV), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            workers = _train_workers(proc, 2)
+            _signal_at_a_random_step(proc, log, workers[1], signal.SIGUSR1)
+            proc.wait(timeout=600)
+        finally:
+            proc.kill()
+    text = log.read_text()
+    assert proc.returncode == 0, text[-4000:]
+    (sig, epoch, step), = set(STOPPED.findall(text))  # every rank that says so names the same step
+    assert sig == "SIGUSR1"
+    assert f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step}" in text, text[-4000:]
+    assert f"failed (exitcode: {EXIT_PREEMPTED})" in text  # torchrun on the stopped attempt
+    print(f"stopped at epoch {epoch}, step {step}")
+    assert _same(weights(tmp_path / "model.pt"), uninterrupted)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_exits_75_and_the_same_command_resumes_equal(
+        tmp_path: Path, prepared: Path, uninterrupted: dict[str, torch.Tensor]) -> None:
+    """SIGTERM to `python -m ddpipe.launch` alone (Kubernetes signals a container's PID 1 only): it passes
+    it on through torchrun, the workers checkpoint one step and it exits 75; the same command resumes."""
+    log = tmp_path / "log.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(launch(tmp_path, prepared), cwd=ROOT, env=subprocess_env(CLONE_ENV),
+                                stdout=out, stderr=subprocess.STDOUT)
+        try:
+            _train_workers(proc, 2)
+            sent = _signal_at_a_random_step(proc, log, proc, signal.SIGTERM)
+            proc.wait(timeout=300)
+            print(f"exited {time.time() - sent:.1f} s after SIGTERM")
+        finally:
+            proc.kill()
+    text = log.read_text()
+    assert proc.returncode == EXIT_PREEMPTED, text[-4000:]
+    (sig, epoch, step), = set(STOPPED.findall(text))
+    assert sig == "SIGTERM"
+    saved = sorted(p.name for p in (tmp_path / "ckpt").glob("ckpt-*.pt"))
+    assert saved[-1].endswith(f"-e{int(epoch) - 1:04d}-s{int(step):06d}.pt"), saved
+    assert not (tmp_path / "model.pt").exists()
+
+    resumed = run(launch(tmp_path, prepared), env=CLONE_ENV)
+    assert f"at epoch {epoch}, step {step}" in resumed.stdout
+    print(f"stopped at epoch {epoch}, step {step}")
+    assert _same(weights(tmp_path / "model.pt"), uninterrupted)
+
+
+def _group_gone(leader: subprocess.Popen, seconds: float) -> bool:
+    """Whether every process of ``leader``'s group (torchrun, its workers) has ended within ``seconds``."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        leader.poll()  # reap the leader, or its zombie keeps the group alive
+        try:
+            os.killpg(leader.pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.slow
+def test_sigterm_to_dvc_repro_leaves_a_step_checkpoint_and_the_next_repro_resumes_equal(repro_clone: Path) -> None:
+    """A scheduler's SIGTERM to the whole process group of a running `dvc repro`: the stage fails,
+    dvc.lock is unchanged, a checkpoint of the step is left, and the next `dvc repro` resumes from it
+    and ends with the weights the uninterrupted `dvc repro` (the clone's own) ended with."""
+    model = repro_clone / "models" / "model.pt"
+    reference = weights(model)
+    lock = (repro_clone / "dvc.lock").read_text()
+    for old in (repro_clone / "checkpoints").glob("ckpt-*.pt"):
+        old.unlink()
+    log = repro_clone / "repro.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["dvc", "repro", "--force", "train"], cwd=repro_clone, stdout=out,
+                                stderr=subprocess.STDOUT, env=subprocess_env(CLONE_ENV), start_new_session=True)
+        gone = False
+        try:
+            deadline = time.time() + 300
+            while not (first := EPOCH_END.search(log.read_text())) and proc.poll() is None \
+                    and time.time() < deadline:
+                time.sleep(0.05)
+            assert first, log.read_text()[-3000:]
+            seconds = float(first[1])
+            time.sleep(random.uniform(0.1, 0.6) * seconds)  # a random step within the second (last) epoch
+            assert proc.poll() is None, log.read_text()[-3000:]
+            os.killpg(proc.pid, signal.SIGTERM)
+            gone = _group_gone(proc, 120)
+            assert gone, "processes of the stopped `dvc repro` are still running"
+        finally:
+            if not gone:
+                os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    (sig, epoch, step), = set(STOPPED.findall(text))
+    assert sig == "SIGTERM" and int(step) > 0, text[-3000:]
+    assert (repro_clone / "dvc.lock").read_text() == lock
+    assert run(["git", "status", "--porcelain", "dvc.lock"], cwd=repro_clone, env=GIT_ENV).stdout == ""
+
+    again = run(["dvc", "repro"], cwd=repro_clone, env=CLONE_ENV, timeout=900)
+    assert f"resuming from checkpoints at epoch {epoch}, step {step}" in again.stdout, again.stdout[-3000:]
+    print(f"stopped at epoch {epoch}, step {step}")
+    assert _same(weights(model), reference)
