@@ -6,11 +6,15 @@ from __future__ import annotations
 import gzip
 import os
 import pickle
+import random
+import re
 import shutil
 import socket
 import struct
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -206,6 +210,21 @@ def wait_for_url(url: str, seconds: float, proc: subprocess.Popen | None = None)
         except OSError:
             time.sleep(0.5)
     raise AssertionError(f"{url} did not come up in {seconds} s" + (f" (exit code {proc.poll()})" if proc else ""))
+
+
+FIRST_EPOCH = re.compile(r"epoch 1/\d+: .* ([\d.]+) s\n")
+STOPPED = re.compile(r"stopped by (SIG\w+) at epoch (\d+), step (\d+)")
+
+
+def sleep_into_second_epoch(log: Callable[[], str], running: Callable[[], bool], seconds: float = 300) -> None:
+    """Wait for a training log's first epoch line, then sleep a random 10-60 % of that epoch's time: the
+    moment for a stop signal to land at a random step of epoch 2 (of runs with at least 2 epochs)."""
+    deadline = time.time() + seconds
+    while not (first := FIRST_EPOCH.search(log())) and running() and time.time() < deadline:
+        time.sleep(0.05)
+    assert first and running(), f"no first epoch while the training ran:\n{log()[-3000:]}"
+    time.sleep(random.uniform(0.1, 0.6) * float(first[1]))
+    assert running(), f"the training ended before the signal:\n{log()[-3000:]}"
 
 
 def torchrun(nproc: int, *args: str, extra: tuple[str, ...] = ()) -> list[str]:

@@ -4,8 +4,6 @@ it, the exit code asks for a resume, and the resumed run ends with the uninterru
 from __future__ import annotations
 
 import os
-import random
-import re
 import signal
 import subprocess
 import sys
@@ -17,13 +15,21 @@ import pytest
 import torch
 
 from ddpipe.preemption import EXIT_PREEMPTED
-from tests.conftest import CLONE_ENV, GIT_ENV, ROOT, args_for, run, subprocess_env, weights
+from tests.conftest import (
+    CLONE_ENV,
+    GIT_ENV,
+    ROOT,
+    STOPPED,
+    args_for,
+    run,
+    sleep_into_second_epoch,
+    subprocess_env,
+    weights,
+)
 
 # 2 processes x 1 thread, about 30 steps an epoch on the session's 1,050 training images
 EXTRA = ("num_epochs=3", "train.batch_size_per_rank=16", "distributed.nproc_per_node=2",
          "distributed.threads_per_process=1")
-EPOCH_END = re.compile(r"epoch 1/\d+: .* ([\d.]+) s\n")
-STOPPED = re.compile(r"stopped by (SIG\w+) at epoch (\d+), step (\d+)")
 
 
 def launch(tmp: Path, prepared: Path, *extra: str) -> list[str]:
@@ -54,18 +60,6 @@ def _train_workers(launcher: subprocess.Popen, count: int) -> dict[int, psutil.P
     raise AssertionError(f"{count} workers did not start (launcher exit {launcher.poll()})")
 
 
-def _signal_at_a_random_step(launcher: subprocess.Popen, log: Path, target, signum: int) -> float:
-    """Once the first epoch has begun, wait a random part of an epoch, then send ``signum``."""
-    deadline = time.time() + 180
-    while "steps/epoch" not in log.read_text() and time.time() < deadline and launcher.poll() is None:
-        time.sleep(0.05)
-    time.sleep(random.uniform(0.5, 4.0))
-    assert launcher.poll() is None, log.read_text()[-3000:]
-    sent = time.time()
-    target.send_signal(signum)
-    return sent
-
-
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -82,14 +76,15 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_at_one_step_and_the_restart_
                                 env=subprocess_env(CLONE_ENV), stdout=out, stderr=subprocess.STDOUT)
         try:
             workers = _train_workers(proc, 2)
-            _signal_at_a_random_step(proc, log, workers[1], signal.SIGUSR1)
+            sleep_into_second_epoch(log.read_text, lambda: proc.poll() is None)
+            workers[1].send_signal(signal.SIGUSR1)
             proc.wait(timeout=600)
         finally:
             proc.kill()
     text = log.read_text()
     assert proc.returncode == 0, text[-4000:]
     (sig, epoch, step), = set(STOPPED.findall(text))  # every rank that says so names the same step
-    assert sig == "SIGUSR1"
+    assert sig == "SIGUSR1" and (epoch, int(step) > 0) == ("2", True)
     assert f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step}" in text, text[-4000:]
     assert f"failed (exitcode: {EXIT_PREEMPTED})" in text  # torchrun on the stopped attempt
     print(f"stopped at epoch {epoch}, step {step}")
@@ -106,8 +101,9 @@ def test_sigterm_to_the_launcher_exits_75_and_the_same_command_resumes_equal(
         proc = subprocess.Popen(launch(tmp_path, prepared), cwd=ROOT, env=subprocess_env(CLONE_ENV),
                                 stdout=out, stderr=subprocess.STDOUT)
         try:
-            _train_workers(proc, 2)
-            sent = _signal_at_a_random_step(proc, log, proc, signal.SIGTERM)
+            sleep_into_second_epoch(log.read_text, lambda: proc.poll() is None)
+            sent = time.time()
+            proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=300)
             print(f"exited {time.time() - sent:.1f} s after SIGTERM")
         finally:
@@ -115,7 +111,7 @@ def test_sigterm_to_the_launcher_exits_75_and_the_same_command_resumes_equal(
     text = log.read_text()
     assert proc.returncode == EXIT_PREEMPTED, text[-4000:]
     (sig, epoch, step), = set(STOPPED.findall(text))
-    assert sig == "SIGTERM"
+    assert sig == "SIGTERM" and (epoch, int(step) > 0) == ("2", True)
     saved = sorted(p.name for p in (tmp_path / "ckpt").glob("ckpt-*.pt"))
     assert saved[-1].endswith(f"-e{int(epoch) - 1:04d}-s{int(step):06d}.pt"), saved
     assert not (tmp_path / "model.pt").exists()
@@ -155,14 +151,7 @@ def test_sigterm_to_dvc_repro_leaves_a_step_checkpoint_and_the_next_repro_resume
                                 stderr=subprocess.STDOUT, env=subprocess_env(CLONE_ENV), start_new_session=True)
         gone = False
         try:
-            deadline = time.time() + 300
-            while not (first := EPOCH_END.search(log.read_text())) and proc.poll() is None \
-                    and time.time() < deadline:
-                time.sleep(0.05)
-            assert first, log.read_text()[-3000:]
-            seconds = float(first[1])
-            time.sleep(random.uniform(0.1, 0.6) * seconds)  # a random step within the second (last) epoch
-            assert proc.poll() is None, log.read_text()[-3000:]
+            sleep_into_second_epoch(log.read_text, lambda: proc.poll() is None)
             os.killpg(proc.pid, signal.SIGTERM)
             gone = _group_gone(proc, 120)
             assert gone, "processes of the stopped `dvc repro` are still running"
@@ -171,7 +160,7 @@ def test_sigterm_to_dvc_repro_leaves_a_step_checkpoint_and_the_next_repro_resume
                 os.killpg(proc.pid, signal.SIGKILL)
     text = log.read_text()
     (sig, epoch, step), = set(STOPPED.findall(text))
-    assert sig == "SIGTERM" and int(step) > 0, text[-3000:]
+    assert sig == "SIGTERM" and (epoch, int(step) > 0) == ("2", True), text[-3000:]
     assert (repro_clone / "dvc.lock").read_text() == lock
     assert run(["git", "status", "--porcelain", "dvc.lock"], cwd=repro_clone, env=GIT_ENV).stdout == ""
 
