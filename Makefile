@@ -9,7 +9,7 @@ BIN    := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
-.PHONY: setup data-package repro test test-fast lint bench clean-runs ui-deps
+.PHONY: setup data-package repro test test-fast test-slurm lint bench clean-runs ui-deps slurm-deps
 
 setup: $(VENV)/.installed data-package
 
@@ -35,11 +35,25 @@ ui-deps:
 		(apt-get update -q && apt-get install -y -q chromium) || echo "warning: could not install chromium"; \
 	else echo "note: chromium missing and apt-get unavailable (or not root); tests/test_ui.py will skip"; fi
 
+# SLURM and munge, for the tests that run deploy/slurm/train.sbatch on a throwaway one-host cluster
+# (tests/test_slurm.py skips without them, or when not root).
+slurm-deps:
+	@if command -v slurmctld >/dev/null 2>&1 && command -v slurmd >/dev/null 2>&1 \
+		&& command -v munged >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -q && apt-get install -y -q slurm-wlm slurmctld slurmd munge) \
+		|| echo "warning: could not install SLURM"; \
+	else echo "note: SLURM missing and apt-get unavailable (or not root); tests/test_slurm.py will skip"; fi
+
 repro: setup
 	dvc repro
 
-test: setup ui-deps
+test: setup ui-deps slurm-deps
 	python -m pytest
+
+# The SLURM tests alone: a two-node cluster on this host runs, stops and requeues train.sbatch jobs.
+test-slurm: setup slurm-deps
+	python -m pytest -k slurm
 
 test-fast: setup
 	python -m pytest -m "not slow"
