@@ -87,13 +87,17 @@ class SlurmCluster:
         for node in self.nodes:
             self._run([_daemon("slurmd"), "-f", str(self.conf), "-N", node])
             self._pid_files.append(d / f"slurmd-{node}.pid")
-        deadline = time.time() + 60
+        self.wait_idle(60)
+
+    def wait_idle(self, seconds: float) -> None:
+        """Until every node is idle: up, and done with the steps of any job that ran on it."""
+        deadline = time.time() + seconds
         while time.time() < deadline:
             states = self.scontrol("show", "nodes", "--oneliner", check=False).stdout
-            if states.count("State=IDLE") == len(self.nodes):
+            if [line.split("State=")[1].split()[0] for line in states.splitlines()] == ["IDLE"] * len(self.nodes):
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"the SLURM nodes did not come up idle in 60 s:\n{states}\n{self.logs()}")
+        raise RuntimeError(f"the SLURM nodes were not idle within {seconds} s:\n{states}\n{self.logs()}")
 
     def _slurm_conf(self) -> str:
         d, host = self.dir, socket.gethostname()

@@ -88,7 +88,9 @@ def test_slurm_job_stopped_mid_epoch_is_requeued_and_ends_with_the_uninterrupted
         time.sleep(0.5)
     assert cluster.job(job)["Restarts"] == "1", f"{cluster.job(job)}\n{_log(tmp_path, job)[-4000:]}"
     saved = sorted(p.name for p in (tmp_path / "ckpt").glob("ckpt-*.pt"))
-    cluster.scontrol("update", f"JobId={job}", "StartTime=now")  # SLURM holds a requeued job ~2 min
+    # SLURM holds a requeued job ~2 min; release it as soon as the nodes are done with its first run
+    cluster.wait_idle(120)
+    cluster.scontrol("update", f"JobId={job}", "StartTime=now")
     info = cluster.wait(job, {"COMPLETED"}, seconds=900)
     log = _log(tmp_path, job)
     assert info["JobState"] == "COMPLETED", f"{info}\n{log[-5000:]}\n{cluster.logs()}"
