@@ -93,15 +93,3 @@ def test_slurm_script_requeues_on_the_preemption_exit_code_and_warns_ahead_of_th
     assert warn and int(warn[1]) >= load_config(params_file=PARAMS).distributed.shutdown_timeout_s + GRACE_MARGIN_S
     assert re.search(r"^#SBATCH --requeue\b", script, re.M)
     assert f'if [ "$status" -eq {EXIT_PREEMPTED} ]; then' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
-
-
-def test_launch_asks_torchrun_to_pass_on_the_stop_signals(tiny_cfg) -> None:
-    from ddpipe.launch import torchrun_command
-
-    cmd = torchrun_command(tiny_cfg(), 2, ["num_epochs=1"])
-    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in cmd
-    assert "--shutdown-timeout=60" in cmd and "--standalone" in cmd
-    assert cmd[-1] == "num_epochs=1" and cmd[-2].endswith("stages/train.py")
-    dvc = (ROOT / "dvc.yaml").read_text()
-    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in dvc
-    assert "--shutdown-timeout=${distributed.shutdown_timeout_s}" in dvc

@@ -231,10 +231,10 @@ def test_a_training_that_raises_ends_failed(tmp_path: Path, prepared: Path, monk
 
     real = Trainer.run_epoch
 
-    def second_epoch_breaks(self, epoch: int, start_step: int):
+    def second_epoch_breaks(self, epoch: int, *args):
         if epoch == 1:
             raise RuntimeError("disk full while writing activations")
-        return real(self, epoch, start_step)
+        return real(self, epoch, *args)
 
     monkeypatch.setattr(Trainer, "run_epoch", second_epoch_breaks)
     # mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI to this process; monkeypatch restores it after
