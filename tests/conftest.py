@@ -168,6 +168,11 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)["state_dict"]
 
 
+def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Bit-equal state dicts: the same keys, every tensor ``torch.equal``."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """||a - b|| / ||a|| over all floating-point tensors of two state dicts taken together."""
     keys = [k for k, v in a.items() if v.is_floating_point()]

@@ -20,6 +20,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.conftest import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                 "DEADLINE", "PREEMPTED"}
@@ -33,12 +35,6 @@ def unavailable() -> str | None:
     if os.geteuid() != 0:
         return "slurmd must run as root to start job steps (run the SLURM tests as root)"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _daemon(name: str) -> str:
@@ -90,8 +86,14 @@ class SlurmCluster:
         self.wait_idle(60)
 
     def wait_idle(self, seconds: float) -> None:
-        """Until every node is idle: up, and done with the steps of any job that ran on it."""
+        """Until every node is idle: up, and done with the steps of any job that ran on it (no process of
+        a job left on this host), plus 2 s: slurmd refuses to launch a job whose credential is dated the
+        same second as the kill of its previous run ("Job credential revoked")."""
         deadline = time.time() + seconds
+        while time.time() < deadline and self._job_processes(jobs_only=True):
+            time.sleep(0.2)
+        time.sleep(2)
+        states = ""
         while time.time() < deadline:
             states = self.scontrol("show", "nodes", "--oneliner", check=False).stdout
             if [line.split("State=")[1].split()[0] for line in states.splitlines()] == ["IDLE"] * len(self.nodes):
@@ -104,7 +106,7 @@ class SlurmCluster:
         lines = [
             "ClusterName=ddpipetest",
             f"SlurmctldHost={host}(127.0.0.1)",
-            f"SlurmctldPort={_free_port()}",
+            f"SlurmctldPort={free_port()}",
             "SlurmUser=root", "SlurmdUser=root",
             "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.munge_socket}",
             f"StateSaveLocation={d / 'state'}", f"SlurmdSpoolDir={d / 'spool'}/%n",
@@ -118,7 +120,7 @@ class SlurmCluster:
             "ReturnToService=2", "JobRequeue=1", "KillWait=30", "MinJobAge=3600",
         ]
         for node in self.nodes:
-            lines.append(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} "
+            lines.append(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} "
                          f"CPUs={self.cpus} State=UNKNOWN")
         lines.append(f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP")
         return "\n".join(lines) + "\n"
@@ -136,15 +138,16 @@ class SlurmCluster:
         if munged.exists() and int(munged.read_text()) in pids:  # last: slurm's shutdown needs it
             os.kill(int(munged.read_text()), signal.SIGTERM)
         deadline = time.time() + 20
-        while time.time() < deadline and any(_alive(p) for p in pids):
+        while time.time() < deadline and any(alive(p) for p in pids):
             time.sleep(0.2)
         for pid in [*pids, *self._job_processes()]:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         self._pid_files.clear()
 
-    def _job_processes(self) -> list[int]:
-        """slurmstepd and job processes still running from this cluster's spool directory."""
+    def _job_processes(self, jobs_only: bool = False) -> list[int]:
+        """Processes of this cluster: its daemons, slurmstepd and the jobs' processes (only the last two
+        with ``jobs_only``)."""
         found = []
         for proc in Path("/proc").iterdir():
             if not proc.name.isdigit():
@@ -154,7 +157,9 @@ class SlurmCluster:
                 env = (proc / "environ").read_bytes().decode(errors="replace")
             except OSError:
                 continue
-            if str(self.dir) in cmd or f"SLURM_CONF={self.conf}" in env:
+            ours = str(self.dir) in cmd or f"SLURM_CONF={self.conf}" in env
+            job = cmd.startswith("slurmstepd") or "SLURM_JOB_ID=" in env
+            if ours and (job or not jobs_only) and alive(int(proc.name)):
                 found.append(int(proc.name))
         return [p for p in found if p != os.getpid()]
 
@@ -181,7 +186,7 @@ class SlurmCluster:
     def daemon_pids(self) -> list[int]:
         """The pids of the daemons this cluster started and that are still running."""
         pids = [int(f.read_text()) for f in self._pid_files if f.exists() and f.read_text().strip().isdigit()]
-        return [p for p in pids if _alive(p)]
+        return [p for p in pids if alive(p)]
 
     def scontrol(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(["scontrol", *args], env=self.env, capture_output=True, text=True, timeout=60,
@@ -208,7 +213,7 @@ class SlurmCluster:
         raise TimeoutError(f"job {job_id} still {self.job(job_id)['JobState']} after {seconds} s")
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

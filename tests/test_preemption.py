@@ -22,6 +22,7 @@ from tests.conftest import (
     STOPPED,
     args_for,
     run,
+    same_weights,
     sleep_into_second_epoch,
     subprocess_env,
     weights,
@@ -60,10 +61,6 @@ def _train_workers(launcher: subprocess.Popen, count: int) -> dict[int, psutil.P
     raise AssertionError(f"{count} workers did not start (launcher exit {launcher.poll()})")
 
 
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 @pytest.mark.slow
 def test_a_stop_signal_to_one_rank_stops_every_rank_at_one_step_and_the_restart_ends_equal(
         tmp_path: Path, prepared: Path, uninterrupted: dict[str, torch.Tensor]) -> None:
@@ -88,7 +85,7 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_at_one_step_and_the_restart_
     assert f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step}" in text, text[-4000:]
     assert f"failed (exitcode: {EXIT_PREEMPTED})" in text  # torchrun on the stopped attempt
     print(f"stopped at epoch {epoch}, step {step}")
-    assert _same(weights(tmp_path / "model.pt"), uninterrupted)
+    assert same_weights(weights(tmp_path / "model.pt"), uninterrupted)
 
 
 @pytest.mark.slow
@@ -119,7 +116,7 @@ def test_sigterm_to_the_launcher_exits_75_and_the_same_command_resumes_equal(
     resumed = run(launch(tmp_path, prepared), env=CLONE_ENV)
     assert f"at epoch {epoch}, step {step}" in resumed.stdout
     print(f"stopped at epoch {epoch}, step {step}")
-    assert _same(weights(tmp_path / "model.pt"), uninterrupted)
+    assert same_weights(weights(tmp_path / "model.pt"), uninterrupted)
 
 
 def _group_gone(leader: subprocess.Popen, seconds: float) -> bool:
@@ -167,4 +164,4 @@ def test_sigterm_to_dvc_repro_leaves_a_step_checkpoint_and_the_next_repro_resume
     again = run(["dvc", "repro"], cwd=repro_clone, env=CLONE_ENV, timeout=900)
     assert f"resuming from checkpoints at epoch {epoch}, step {step}" in again.stdout, again.stdout[-3000:]
     print(f"stopped at epoch {epoch}, step {step}")
-    assert _same(weights(model), reference)
+    assert same_weights(weights(model), reference)

@@ -17,7 +17,7 @@ from torch import nn
 from ddpipe.config import TrainConfig
 from ddpipe.preemption import EXIT_PREEMPTED
 from ddpipe.selection import ModelSelection
-from tests.conftest import CLONE_ENV, ROOT, args_for, run, subprocess_env, weights
+from tests.conftest import CLONE_ENV, ROOT, args_for, run, same_weights, subprocess_env, weights
 
 
 def test_the_best_epoch_is_kept_and_ties_keep_the_earliest() -> None:
@@ -76,8 +76,7 @@ def test_early_stopping_and_best_export_resume_exactly(tmp_path: Path, prepared:
     assert _history(parts) == [{**h, "images_per_s": p["images_per_s"], "epoch_seconds": p["epoch_seconds"]}
                                for h, p in zip(history, _history(parts))]
     assert json.loads((parts / "train.json").read_text())["train"]["exported_epoch"] == best
-    assert all(torch.equal(a, b) for a, b in zip(weights(whole / "model.pt").values(),
-                                                  weights(parts / "model.pt").values()))
+    assert same_weights(weights(whole / "model.pt"), weights(parts / "model.pt"))
 
     last = run(["python", "stages/train.py", *args_for(whole, prepared, *extra, "train.export=last")], env=CLONE_ENV)
     assert "already trained" in last.stdout

@@ -8,10 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.conftest import CLONE_ENV, ROOT, STOPPED, args_for, sleep_into_second_epoch, weights
-from tests.slurm_cluster import SlurmCluster, unavailable
+from tests.conftest import CLONE_ENV, ROOT, STOPPED, args_for, same_weights, sleep_into_second_epoch, weights
+from tests.slurm_cluster import SlurmCluster, alive, unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))]
 
@@ -102,9 +101,7 @@ def test_slurm_job_stopped_mid_epoch_is_requeued_and_ends_with_the_uninterrupted
         assert "requeueing job" in log
     (r,) = _runs(tmp_path)
     assert r.info.status == "FINISHED" and r.data.tags["ddpipe.attempts"] == "2"
-    uninterrupted = weights(finished_job[0] / "model.pt")
-    resumed = weights(tmp_path / "model.pt")
-    assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
+    assert same_weights(weights(finished_job[0] / "model.pt"), weights(tmp_path / "model.pt"))
 
 
 def test_slurm_cluster_leaves_no_daemon_behind(tmp_path: Path) -> None:
@@ -112,10 +109,4 @@ def test_slurm_cluster_leaves_no_daemon_behind(tmp_path: Path) -> None:
     with SlurmCluster(tmp_path / "c", nodes=1) as c:
         started = c.daemon_pids()
         assert len(started) == 3  # munged, slurmctld, one slurmd
-    assert not _alive_any(started)
-
-
-def _alive_any(pids: list[int]) -> bool:
-    from tests.slurm_cluster import _alive
-
-    return any(_alive(p) for p in pids)
+    assert not any(alive(pid) for pid in started)
