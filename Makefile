@@ -69,5 +69,4 @@ clean-runs:
 	if [ -n "$$moved" ]; then echo "moved$$moved to $$stamp/"; else echo "no MLflow store here; nothing to move"; fi
 
 bench: setup
-	python -c "import lightning" 2>/dev/null || python -m pip install -e '.[dev,bench]'
 	python bench/run_all.py

@@ -1,12 +1,12 @@
-"""Helpers shared by the benchmark scripts: machine info, results files, Markdown tables, timed
-subprocesses, and the data the benchmarks need (prepared subsets, torchvision's raw files).
+"""Helpers shared by the benchmark scripts: the machine line every script prints beside its figures,
+results files, Markdown tables, timed subprocesses, params.yaml, and the data the benchmarks need.
 
-Not a benchmark itself; the scripts beside it import it (``python bench/<script>.py`` puts
-``bench/`` first on ``sys.path``).
+Not a benchmark itself: ``python bench/<script>.py`` puts bench/ first on ``sys.path``, so the scripts import it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gzip
 import json
@@ -18,58 +18,57 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from ddpipe.config import Config, load_config
+from ddpipe.data import load_meta
+from ddpipe.devices import cpu_count
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-VENV_BIN = Path(sys.executable).parent
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
                  "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
+class BenchError(RuntimeError):
+    """A benchmarked command failed."""
 
 
 # ---------------------------------------------------------------------------------------------
 # Machine and results
 
 
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (platform's guess elsewhere)."""
+def machine() -> str:
+    """What a figure was measured on: CPU model, cores, and the flags that decide ddpipe's precision
+    (bf16 where AVX512-BF16 or AMX exist), e.g. 'AMD EPYC, 2 cores, AVX2 yes, AVX512-BF16 yes, AMX no'."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        first_cpu = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:  # not Linux
+        first_cpu = ""
+    info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first_cpu.splitlines())}
+    flags = set(info.get("flags", "").split())
+    shown = ", ".join(f"{name} {'yes' if flags & probes else 'no'}" for name, probes in (
+        ("AVX2", {"avx2"}), ("AVX512-BF16", {"avx512_bf16"}), ("AMX", {"amx_tile", "amx_bf16"})))
+    return (f"{info.get('model name') or platform.processor() or platform.machine()}, {cpu_count()} cores, {shown}; "
+            f"torch {torch.__version__}, Python {platform.python_version()}")
 
 
-def cores() -> int:
-    """Cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def machine_info() -> dict[str, Any]:
-    import torch
-
-    return {
-        "cpu": cpu_model(), "cores": cores(), "torch": torch.__version__,
-        "python": platform.python_version(), "host": platform.node(),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "loadavg_1min": os.getloadavg()[0],
-    }
+def print_machine() -> None:
+    """The machine line, with the load average (on a 2-core machine any other load distorts timings)."""
+    print(f"machine: {machine()}; load average {os.getloadavg()[0]:.2f}", flush=True)
 
 
 def append_jsonl(name: str, records: Sequence[dict[str, Any]]) -> Path:
-    """Append ``records``, each with the machine info, to ``bench/results/<name>.jsonl``."""
+    """Append ``records``, each with the machine, date and load, to ``bench/results/<name>.jsonl``."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.jsonl"
-    info = machine_info()
+    info = {"cpu": machine(), "host": platform.node(), "loadavg_1min": os.getloadavg()[0],
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
     with path.open("a") as f:
         for record in records:
             f.write(json.dumps({**record, "machine": info}) + "\n")
@@ -92,8 +91,7 @@ def fmt(value: Any) -> str:
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
-    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
+    return "\n".join(lines + ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows])
 
 
 def summary(values: Sequence[float]) -> tuple[float, float, float]:
@@ -105,77 +103,57 @@ def summary(values: Sequence[float]) -> tuple[float, float, float]:
 # Processes
 
 
-@dataclass
-class Completed:
-    seconds: float
-    stdout: str
-    stderr: str
-
-
-class BenchError(RuntimeError):
-    """A benchmarked command failed."""
-
-
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment with the venv's bin/ first on PATH (as the Makefile does), without the
     variables that would redirect ddpipe's outputs or tracking, plus ``extra``."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("MLFLOW_TRACKING_URI", "DVC_ROOT", "DVC_EXP_NAME", "PYTHONPATH")}
-    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
-    env.update(extra)
-    return env
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return {**env, **extra}
 
 
-def run_timed(cmd: Sequence[str] | str, cwd: str | Path = REPO, env: dict[str, str] | None = None,
-              timeout: float | None = None) -> Completed:
-    """Run ``cmd`` (a shell string runs under ``sh -c``), return its wall seconds and output;
-    raise :class:`BenchError` with the output's tail when it fails."""
+def run_timed(cmd: Sequence[str] | str, cwd: str | Path = REPO,
+              env: dict[str, str] | None = None) -> float:
+    """Run ``cmd`` (a shell string runs under ``sh -c``); its wall seconds. :class:`BenchError` with the
+    output's tail when it fails."""
     shell = isinstance(cmd, str)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, shell=shell, cwd=cwd, env=env or clean_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(cmd, shell=shell, cwd=cwd, env=env or clean_env(), capture_output=True, text=True)
     seconds = time.perf_counter() - t0
     if proc.returncode != 0:
         shown = cmd if shell else " ".join(map(str, cmd))
         raise BenchError(f"exit {proc.returncode}: {shown}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return Completed(seconds, proc.stdout, proc.stderr)
+    return seconds
 
 
-def torchrun(nproc: int) -> list[str]:
-    """The venv's torchrun, single node, a free port."""
-    exe = VENV_BIN / "torchrun"
-    base = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    return [*base, "--standalone", f"--nproc-per-node={nproc}"]
+def config(overrides: Sequence[str] = ()) -> Config:
+    """The repository's params.yaml with ``key=value`` overrides, wherever the script runs from."""
+    return load_config(list(overrides), params_file=REPO / "params.yaml")
 
 
-def temp_dir(prefix: str) -> Path:
-    """A fresh directory under bench/results/tmp (git-ignored); the caller removes it."""
-    root = RESULTS / "tmp"
-    root.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=root))
-
-
-def remove(path: str | Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+@contextlib.contextmanager
+def temp_dir(prefix: str) -> Iterator[Path]:
+    """A fresh directory under bench/results/tmp (git-ignored), removed afterwards."""
+    (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=RESULTS / "tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
 # Data
 
 
-def ensure_prepared(max_train_samples: int | None, name: str) -> Path:
-    """A prepared copy (``stages/prepare.py``) in ``bench/results/<name>`` with that many training
-    samples; made once, reused while its meta.json says the size matches."""
+def ensure_prepared(max_train_samples: int, name: str) -> Path:
+    """A prepared copy (``stages/prepare.py``) with that many training samples in ``bench/results/<name>``;
+    made once, reused while its meta.json says the size matches."""
     out = RESULTS / name
-    meta = out / "meta.json"
-    if meta.is_file():
-        sizes = json.loads(meta.read_text())["sizes"]
-        if max_train_samples is None or sizes["train"] == max_train_samples:
-            return out
-    args = [f"paths.prepared={out}"]
-    if max_train_samples is not None:
-        args.append(f"data.max_train_samples={max_train_samples}")
-    run_timed([sys.executable, "stages/prepare.py", *args])
+    if (out / "meta.json").is_file() and load_meta(out).sizes["train"] == max_train_samples:
+        return out
+    run_timed([sys.executable, "stages/prepare.py", f"paths.prepared={out}",
+               f"data.max_train_samples={max_train_samples}"])
     return out
 
 
@@ -188,8 +166,7 @@ def fashion_mnist_root(root: str | Path = RESULTS / "torchvision") -> Path:
     raw = Path(root) / "FashionMNIST" / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     for name in FASHION_FILES:
-        target = raw / name
-        if target.exists():
+        if (raw / name).exists():
             continue
         source = next((d / f"{name}.gz" for d in (FASHION_DIR, REPO / "data" / "raw")
                        if (d / f"{name}.gz").is_file()), None)
@@ -199,5 +176,5 @@ def fashion_mnist_root(root: str | Path = RESULTS / "torchvision") -> Path:
         tmp = raw / f".{name}.{os.getpid()}.tmp"
         with gzip.open(source, "rb") as src, tmp.open("wb") as dst:
             shutil.copyfileobj(src, dst)
-        os.replace(tmp, target)
+        os.replace(tmp, raw / name)
     return Path(root)

@@ -1,11 +1,14 @@
-"""Cost of world-size-exact mode (``distributed.exact``): one training step (forward, backward) of the
-default model, ordinary layers vs ``ddpipe.exact.make_exact``, one process, all cores.
+"""Cost of world-size-exact mode (``distributed.exact``): one forward and backward pass of the default
+model, ordinary vs exact, one process, all cores.
 
     python bench/exact_mode.py [--batch 256] [--steps 10] [--reps 3]
+    python bench/exact_mode.py --quick                       # smoke run
 
-Random images of the prepared data's shape (the cost does not depend on the pixels). Prints a Markdown
-table of the median milliseconds per step (min-max over ``--reps``) and appends the figures to
-``bench/results/exact_mode.jsonl``.
+The network is built as training builds it (``training.training_module`` from params.yaml with
+``distributed.exact`` off or on, channels_last and autocast from ``devices.Compute``), fed random
+images of Fashion-MNIST's shape (the cost does not depend on the pixels). Prints the machine and a
+Markdown table of the median milliseconds per step (min-max over ``--reps``, interleaved); appends the
+figures to ``bench/results/exact_mode.jsonl``.
 """
 
 from __future__ import annotations
@@ -15,24 +18,29 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import append_jsonl, markdown_table, summary
+from common import append_jsonl, config, markdown_table, print_machine, summary
 
-from ddpipe.config import load_config
-from ddpipe.exact import make_exact
-from ddpipe.models import build_model
+from ddpipe.data import Prepared
+from ddpipe.devices import Compute
+from ddpipe.distributed import DistInfo
+from ddpipe.training import training_module
+
+FASHION_SHAPE = Prepared("random", [str(c) for c in range(10)], 1, [28, 28], [0.0], [1.0], {})
 
 
 def step_ms(exact: bool, precision: str, batch: int, steps: int) -> float:
-    cfg = load_config([])
+    cfg = config([f"distributed.exact={str(exact).lower()}", f"train.precision={precision}"])
+    info = DistInfo()
+    compute = Compute.resolve(cfg.train, info.device)
     torch.manual_seed(0)
-    model = build_model(cfg.model, 1, 10)
-    model = (make_exact(model) if exact else model).to(memory_format=torch.channels_last)
-    x = torch.randn(batch, 1, 28, 28).contiguous(memory_format=torch.channels_last)
+    model = training_module(cfg, FASHION_SHAPE, info, compute)
+    x = torch.randn(batch, 1, 28, 28)
+    x = x.contiguous(memory_format=torch.channels_last) if compute.channels_last else x
     y = torch.randint(0, 10, (batch,))
 
     def one() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = F.cross_entropy(model(x), y, label_smoothing=0.1)
+        with compute.autocast():
+            loss = F.cross_entropy(model(x), y, label_smoothing=cfg.train.label_smoothing)
         loss.backward()
         model.zero_grad(set_to_none=True)
 
@@ -45,14 +53,18 @@ def step_ms(exact: bool, precision: str, batch: int, steps: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="batch 32, 2 steps, 1 repetition")
     args = parser.parse_args()
+    if args.quick:
+        args.batch, args.steps, args.reps = 32, 2, 1
+    print_machine()
     rows, records = [], []
     for precision in ("bf16", "fp32"):
-        times = {exact: [] for exact in (False, True)}
+        times: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(args.reps):  # interleaved
             for exact in (False, True):
                 times[exact].append(step_ms(exact, precision, args.batch, args.steps))
@@ -60,7 +72,7 @@ def main() -> None:
         rows.append([precision, f"{plain[0]:.1f} ({plain[1]:.1f}-{plain[2]:.1f})",
                      f"{exact[0]:.1f} ({exact[1]:.1f}-{exact[2]:.1f})", f"{exact[0] / plain[0]:.2f}x"])
         records.append({"precision": precision, "batch": args.batch, "threads": torch.get_num_threads(),
-                        "plain_ms": times[False], "exact_ms": times[True]})
+                        "quick": args.quick, "plain_ms": times[False], "exact_ms": times[True]})
     append_jsonl("exact_mode", records)
     print(markdown_table(["precision", "ordinary ms/step (min-max)", "exact ms/step (min-max)", "ratio"], rows))
 

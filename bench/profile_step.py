@@ -1,35 +1,34 @@
 """torch.profiler over ddpipe's training step: where a step's CPU time goes, by op.
 
-    python bench/profile_step.py                                  # params.yaml's model, ~20 steps
+    python bench/profile_step.py                                  # params.yaml's model, 20 steps
     python bench/profile_step.py model.name=seed_cnn model.width=32 train.batch_size_per_rank=128
-    python bench/profile_step.py --quick                          # smoke run
+    python bench/profile_step.py --quick paths.prepared=/a/small/prepared   # smoke run
 
-The pieces are built as training.Trainer builds them (one process, no DDP; Trainer itself also
-loads the validation split, a tracker and checkpoints): the model from params.yaml (plus any
-``key=value`` overrides) in channels_last and the precision ``training.resolve_precision`` picks
-(bf16 autocast where the CPU has AVX512-BF16/AMX), BatchTransform with augmentation, AdamW with the
-Trainer's settings, batches from ``data.TrainShards``. After ``--warmup`` steps, ``--steps`` steps run
-under the profiler, each phase labelled (data+transform, forward, backward, optimizer). Prints the
-step time and the top ops by self CPU time as Markdown; appends to bench/results/profile_step.jsonl.
+The step is ``Trainer.train_step`` of a ``Trainer`` built from params.yaml (plus any ``key=value``
+overrides) for one plain process (no DDP; threads: ``distributed.threads_per_process``, default all
+cores): the model, precision, memory format, transform, optimizer and schedule the training uses, over
+the batches ``trainer.shards`` serves. After ``--warmup`` steps, ``--steps`` steps run under the
+profiler, with the batch gathering and the transform labelled. Prints the machine, the step time and
+the top ops by self CPU time as Markdown; appends to bench/results/profile_step.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import itertools
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from common import REPO, append_jsonl, cores, markdown_table
+from common import REPO, append_jsonl, config, markdown_table, print_machine
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from ddpipe.config import Config, load_config
-from ddpipe.data import BatchTransform, InMemoryDataset, TrainShards, load_meta
-from ddpipe.models import build_model
-from ddpipe.training import resolve_precision, use_channels_last
+from ddpipe.distributed import init_distributed
+from ddpipe.metrics import EpochMeter
+from ddpipe.training import Trainer
+
+LABELS = ("data: gather", "data: transform", "train_step")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,7 +36,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="key=value, as on a stage's command line")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None, help="default: all cores")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--quick", action="store_true", help="3 profiled steps after 1 warm-up at batch 64")
     args = p.parse_args(argv)
@@ -47,82 +45,70 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-class Step:
-    """One training step of ddpipe's loop, with the Trainer's model, transform and optimizer."""
-
-    def __init__(self, cfg: Config, device: torch.device) -> None:
-        tc = cfg.train
-        self.cfg, self.device = cfg, device
-        self.precision = resolve_precision(tc.precision, device)
-        self.channels_last = use_channels_last(tc.channels_last, device, self.precision)
-        meta = load_meta(cfg.paths.prepared)
-        self.data = InMemoryDataset.load(cfg.paths.prepared, "train")
-        self.transform = BatchTransform(meta["mean"], meta["std"], tc.random_crop_padding, tc.hflip,
-                                        cfg.seed, device, self.channels_last)
-        torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model, meta["num_channels"], len(meta["classes"])).to(device)
-        self.model = model.to(memory_format=torch.channels_last) if self.channels_last else model
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=tc.base_lr,
-                                           betas=(tc.momentum, 0.999), weight_decay=tc.weight_decay)
-        self.batches = TrainShards(self.data, tc.batch_size_per_rank, 0, 1, cfg.seed, False).batches(0)
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        if self.precision == "fp32":
-            return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
-        return torch.autocast(self.device.type, dtype=dtype)
-
-    def __call__(self, i: int) -> None:
-        with record_function("data+transform"):
-            images, labels, idx = self.data.__getitems__(self.batches[i % len(self.batches)])
-            x = self.transform(images.to(self.device), idx, 0)
-            labels = labels.to(self.device)
-        with record_function("forward"), self.autocast():
-            loss = F.cross_entropy(self.model(x), labels, label_smoothing=self.cfg.train.label_smoothing)
-        with record_function("backward"):
-            loss.backward()
-        with record_function("optimizer"):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+def micro_batches(trainer: Trainer) -> Iterator[tuple[int, list[tuple]]]:
+    """(epoch, one optimizer step's micro-batches), epoch after epoch, as ``Trainer.run_epoch`` takes them."""
+    accum = trainer.cfg.train.grad_accum_steps
+    for epoch in itertools.count():
+        batches = iter(trainer.shards.loader(epoch, 0, trainer.steps_per_epoch * accum))
+        for _ in range(trainer.steps_per_epoch):
+            with record_function("data: gather"):
+                step = [next(batches) for _ in range(accum)]
+            yield epoch, step
 
 
-def top_ops(prof: profile, n: int) -> list[dict[str, float | str | int]]:
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in events) or 1.0
-    return [{"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3,
-             "self_cpu_pct": 100 * e.self_cpu_time_total / total, "cpu_total_ms": e.cpu_time_total / 1e3,
-             "calls": e.count} for e in events[:n]]
+def label_transform(trainer: Trainer) -> None:
+    """Time the transform apart: ``train_step`` calls it inside, with no hook for a label."""
+    transform = trainer.transform
+
+    def labelled(*args: object) -> torch.Tensor:
+        with record_function("data: transform"):
+            return transform(*args)
+
+    trainer.transform = labelled
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads or cores())
-    cfg = load_config(args.overrides, params_file=REPO / "params.yaml")
-    if not Path(cfg.paths.prepared).is_absolute():
-        cfg.paths.prepared = str(REPO / cfg.paths.prepared)
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    step = Step(cfg, device)
-    for i in range(args.warmup):
-        step(i)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    print_machine()
+    cfg = config(args.overrides)
+    cfg.paths.prepared = str(REPO / cfg.paths.prepared)  # an absolute path stays as it is
+    trainer = Trainer(cfg, init_distributed(cfg.distributed))  # one plain process: its device, its threads
+    label_transform(trainer)
+    steps, meter = micro_batches(trainer), EpochMeter(trainer.device, EpochMeter.fresh())
+    trainer.model.train()
+    for epoch, step in itertools.islice(steps, args.warmup):
+        trainer.train_step(step, epoch, meter)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
     t0 = time.perf_counter()
     with profile(activities=activities) as prof:
-        for i in range(args.warmup, args.warmup + args.steps):
-            step(i)
-    seconds = time.perf_counter() - t0
-    batch = cfg.train.batch_size_per_rank
-    ops = top_ops(prof, args.top)
-    print(f"{cfg.model.name} width {cfg.model.width}, batch {batch}, precision {step.precision}, "
-          f"channels_last {step.channels_last}, {torch.get_num_threads()} threads: "
-          f"{1e3 * seconds / args.steps:.1f} ms/step, {batch * args.steps / seconds:.0f} images/s "
-          "(under the profiler)\n")
+        for epoch, step in itertools.islice(steps, args.steps):
+            with record_function("train_step"):
+                trainer.train_step(step, epoch, meter)
+    report(args, trainer, prof, 1e3 * (time.perf_counter() - t0) / args.steps)
+
+
+def report(args: argparse.Namespace, trainer: Trainer, prof: profile, step_ms: float) -> None:
+    """Wall ms per step (data included), the labelled phases' CPU ms per step, the top ops."""
+    events = {e.key: e for e in prof.key_averages()}
+    batch = trainer.derived()["global_batch_size"]
+    ranked = sorted((e for e in events.values() if e.key not in LABELS), key=lambda e: e.self_cpu_time_total,
+                    reverse=True)
+    total = sum(e.self_cpu_time_total for e in ranked) or 1.0
+    ops = [{"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+            "self_cpu_pct": 100 * e.self_cpu_time_total / total,
+            "cpu_total_ms": e.cpu_time_total / 1e3, "calls": e.count} for e in ranked[:args.top]]
+    phases = {label: events[label].cpu_time_total / 1e3 / args.steps for label in LABELS if label in events}
+    cfg, compute = trainer.cfg, trainer.compute
+    print(f"{cfg.model.name} width {cfg.model.width}, batch {batch}, precision {compute.precision}, channels_last "
+          f"{compute.channels_last}, {torch.get_num_threads()} threads: {step_ms:.1f} ms/step, "
+          f"{1e3 * batch / step_ms:.0f} images/s (under the profiler); per step: "
+          + ", ".join(f"{label} {ms:.1f} ms" for label, ms in phases.items()) + "\n")
     print(markdown_table(["op", "self CPU ms", "self CPU %", "CPU total ms", "calls"],
-                         [[o["op"], o["self_cpu_ms"], o["self_cpu_pct"], o["cpu_total_ms"], o["calls"]]
-                          for o in ops]))
+                         [list(o.values()) for o in ops]))
     append_jsonl("profile_step", [{
-        "bench": "profile_step", "model": asdict(cfg.model), "batch_size": batch, "precision": step.precision,
-        "channels_last": step.channels_last, "threads": torch.get_num_threads(), "steps": args.steps,
-        "quick": args.quick, "ms_per_step": 1e3 * seconds / args.steps, "images_per_s": batch * args.steps / seconds,
+        "bench": "profile_step", "model": asdict(cfg.model), "batch_size": batch, "precision": compute.precision,
+        "channels_last": compute.channels_last, "threads": torch.get_num_threads(), "steps": args.steps,
+        "quick": args.quick, "ms_per_step": step_ms, "phases_ms": phases, "prepared": cfg.paths.prepared,
         "top_ops": ops}])
 
 

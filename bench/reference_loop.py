@@ -1,4 +1,5 @@
-"""The seed documents' training loop, written as they describe it: the benchmarks' reference.
+"""The plain DDP training loop of the PyTorch tutorials (per-sample transforms, DataLoader + DistributedSampler,
+DDP), written as they describe it: the benchmarks' reference.
 
     torchrun --standalone --nproc-per-node=2 bench/reference_loop.py --epochs 5           # accuracy
     torchrun --standalone --nproc-per-node=W bench/reference_loop.py --max-train-samples 12800 --epochs 2
@@ -7,11 +8,10 @@
 torchvision's FashionMNIST with per-sample ``ToTensor`` + ``Normalize``, a ``DataLoader`` over a
 ``DistributedSampler`` (``pin_memory=True``), ddpipe's ``SeedCNN(1, 10, 32)`` with synchronised
 BatchNorm wrapped in DDP, Adam at 1e-3 x sqrt(world size), fp32, ``cores // world size`` threads per
-process. Rank 0 prints each epoch's training images/s (the training loop only: data loading, forward,
-backward, step), then the test accuracy on the official test split and the wall seconds since the
-process started; it prints a Markdown table and appends the run to
-``bench/results/reference_loop.jsonl``. The data come from Debian's Fashion-MNIST files (or
-data/raw), extracted once into ``bench/results/torchvision``.
+process. Rank 0 prints the machine (CPU model and flags), each epoch's training images/s (the
+training loop only: data loading, forward, backward, step), then the test accuracy on the official
+test split, as a Markdown table; the run is appended to ``bench/results/reference_loop.jsonl``. The
+data come from Debian's Fashion-MNIST files (or data/raw), extracted once into bench/results/torchvision.
 """
 
 from __future__ import annotations
@@ -24,33 +24,21 @@ import time
 import warnings
 from pathlib import Path
 
-_STARTED = time.perf_counter()
+import torch
+import torch.distributed as dist
+from common import append_jsonl, fashion_mnist_root, markdown_table, print_machine, write_json
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torchvision import datasets, transforms
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from common import append_jsonl, cores, fashion_mnist_root, markdown_table, write_json  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler, Subset  # noqa: E402
-from torchvision import datasets, transforms  # noqa: E402
+from ddpipe.batchnorm import convert_sync_batchnorm
+from ddpipe.devices import cpu_count
+from ddpipe.models import SeedCNN
 
-from ddpipe.distributed import convert_sync_batchnorm  # noqa: E402
-from ddpipe.models import SeedCNN  # noqa: E402
-
-# pin_memory=True is what the seed documents use; on a CPU-only machine torch ignores it, with a
+# pin_memory=True is what the DDP tutorials use; on a CPU-only machine torch ignores it, with a
 # warning at every epoch's iterator.
 warnings.filterwarnings("ignore", message=".*pin_memory.*")
-
-
-def process_seconds() -> float:
-    """Seconds since this process started (from /proc: interpreter start-up and imports count)."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        start_ticks = int(fields[19])  # field 22 (starttime); fields[0] is field 3
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.perf_counter() - _STARTED
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,7 +69,7 @@ def setup(threads: int | None) -> tuple[int, int, torch.device]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    torch.set_num_threads(threads or max(1, cores() // world))
+    torch.set_num_threads(threads or max(1, cpu_count() // world))
     return rank, world, device
 
 
@@ -139,23 +127,18 @@ def test_accuracy(module: nn.Module, test: torch.utils.data.Dataset, device: tor
     return correct / total
 
 
-def report(args: argparse.Namespace, world: int, epochs: list[dict], acc: float, wall: float) -> None:
-    """Rank 0: Markdown tables, the JSONL record, and the optional JSON for a parent process."""
-    print(markdown_table(["epoch", "train loss", "images/s", "s"],
-                         [[e["epoch"], e["train_loss"], e["images_per_s"], e["seconds"]] for e in epochs]))
+def report(args: argparse.Namespace, world: int, epochs: list[dict], acc: float) -> None:
+    """Rank 0: a Markdown table, the JSONL record, and the optional JSON for a parent process."""
     result = {
         "bench": "reference_loop", "world_size": world, "threads": torch.get_num_threads(),
         "batch_size_per_rank": args.batch_size, "epochs": args.epochs,
         "max_train_samples": args.max_train_samples, "max_test_samples": args.max_test_samples,
         "quick": args.quick,
-        "images_per_s": epochs[-1]["images_per_s"], "test_accuracy": acc, "wall_s": wall,
-        "per_epoch": epochs,
+        "images_per_s": epochs[-1]["images_per_s"], "test_accuracy": acc, "per_epoch": epochs,
     }
-    print()
     print(markdown_table(["world size", "threads/process", "batch/rank", "epochs", "last epoch images/s",
-                          "test accuracy", "wall s (from process start)"],
-                         [[world, result["threads"], args.batch_size, args.epochs, result["images_per_s"],
-                           acc, wall]]))
+                          "test accuracy"],
+                         [[world, result["threads"], args.batch_size, args.epochs, result["images_per_s"], acc]]))
     append_jsonl("reference_loop", [result])
     write_json(args.json_out, result)
 
@@ -163,6 +146,8 @@ def report(args: argparse.Namespace, world: int, epochs: list[dict], acc: float,
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rank, world, device = setup(args.threads)
+    if rank == 0:
+        print_machine()
     root = fashion_mnist_root(args.data_root) if args.data_root else fashion_mnist_root()
     train, test = load_splits(root, args.max_train_samples, args.max_test_samples)
     sampler = DistributedSampler(train)
@@ -180,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{images / seconds:.0f} images/s, {seconds:.1f} s", flush=True)
     if rank == 0:
         acc = test_accuracy(model.module, test, device)
-        report(args, world, epochs, acc, process_seconds())
+        report(args, world, epochs, acc)
     dist.barrier()
     dist.destroy_process_group()
 

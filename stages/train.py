@@ -1,13 +1,13 @@
 """DVC stage `train`: DistributedDataParallel training, one process per rank.
 
-    torchrun --standalone --nproc-per-node=2 stages/train.py [key=value ...]   # one node, N processes
-    python stages/train.py [key=value ...]                                     # one plain process
-    python stages/train.py --check [key=value ...]     # check params, print processes per node, exit
+    python -m ddpipe.launch [key=value ...]            # what dvc.yaml runs: checks, then torchrun this script
+    python stages/train.py [key=value ...]             # one plain process
+    python stages/train.py --check [key=value ...]     # check params and data, print processes per node, exit
 
-dvc.yaml runs ``--check`` first, so that a bad parameter fails before torchrun starts any worker, and
-passes the number it prints (``distributed.nproc_per_node`` resolved) to torchrun.
+Under torchrun each worker checks again (for a torchrun started by hand) and trains its rank.
 """
 
+import os
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -15,25 +15,23 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from ddpipe.cli import load_or_exit
 from ddpipe.config import ConfigError
 from ddpipe.data import PreparedDataError
+from ddpipe.launch import checked_nproc, preflight
 
 
 @record  # under torchrun, the failing rank's traceback reaches the launcher's summary
 def main() -> None:
     args = sys.argv[1:]
     cfg = load_or_exit([a for a in args if a != "--check"], "stages/train.py")
-    from ddpipe.training import preflight, train
-
     try:
-        preflight(cfg)
+        if "--check" in args:
+            print(checked_nproc(cfg))
+            return
+        preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except (ConfigError, PreparedDataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    if "--check" in args:
-        from ddpipe.distributed import resolve_nproc
-
-        print(resolve_nproc(cfg.distributed))
-        return
     from ddpipe.preemption import EXIT_PREEMPTED, Preempted
+    from ddpipe.training import train
 
     try:
         train(cfg)

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from ddpipe.config import Config, load_config
+from ddpipe.config import Config, DistributedConfig, load_config
+from ddpipe.launch import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = ROOT / "params.yaml"
@@ -232,9 +233,9 @@ def sleep_into_second_epoch(log: Callable[[], str], running: Callable[[], bool],
     assert running(), f"the training ended before the signal:\n{log()[-3000:]}"
 
 
-def torchrun(nproc: int, *args: str, extra: tuple[str, ...] = ()) -> list[str]:
-    return [str(VENV_BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", *extra,
-            str(ROOT / "stages" / "train.py"), *args]
+def torchrun(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
+    """The train stage's torchrun command (one node, ``nproc`` workers), from ddpipe.launch's builder."""
+    return torchrun_command(DistributedConfig(max_restarts=max_restarts), nproc, args)
 
 
 GIT_ENV = {"GIT_AUTHOR_NAME": "ddpipe tests", "GIT_AUTHOR_EMAIL": "tests@ddpipe.invalid",

@@ -4,12 +4,13 @@ names the key, the value and what is accepted, before any work starts."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from ddpipe.config import Config, ConfigError, flatten, flatten_mapping, load_config, schema_table
+from ddpipe.config import Config, ConfigError, flatten, flatten_mapping, load_config, schema_table, trajectory
 from tests.conftest import PARAMS, ROOT, run
 
 
@@ -93,8 +94,96 @@ def test_invalid_values_name_key_value_and_accepted(override: str, key: str, acc
     with pytest.raises(ConfigError) as err:
         load_config([override], params_file=PARAMS)
     message = str(err.value)
-    assert key in message and accepted in message
+    assert message.startswith(f"command line: {key} = ")  # where it was set, and the key
+    assert accepted in message
     assert override.split("=", 1)[1].lower() in message.lower()  # the bad value is shown
+
+
+@pytest.mark.parametrize("override, shown, accepted", [
+    ("train.base_lr=nan", "nan", "a number > 0.0"),
+    ("train.base_lr=inf", "inf", "a number > 0.0"),
+    ("train.base_lr=.inf", "inf", "a number > 0.0"),
+    ("train.weight_decay=.nan", "nan", "a number >= 0.0"),
+    ("data.val_fraction=-inf", "-inf", "a number > 0.0 and < 1.0"),
+    ("train.grad_clip_norm=inf", "inf", "a number > 0.0 (or null)"),
+])
+def test_no_number_key_accepts_nan_or_inf(override: str, shown: str, accepted: str) -> None:
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as err:
+        load_config([override], params_file=None)
+    assert str(err.value) == f"command line: {key} = {shown} is not accepted; expected {accepted}"
+
+
+def test_nan_in_params_file_names_the_file(tmp_path: Path) -> None:
+    params = tmp_path / "params.yaml"
+    params.write_text("train:\n  momentum: .nan\n")
+    with pytest.raises(ConfigError) as err:
+        load_config([], params_file=params)
+    assert str(err.value) == f"{params}: train.momentum = nan is not accepted; expected a number >= 0.0 and < 1.0"
+
+
+def test_yaml_quirks_keep_their_meaning(tmp_path: Path) -> None:
+    """Bare on/off (YAML 1.1 booleans) mean the words; an int given to a number key stays a float;
+    process and node counts are stored as text; a quoted null is null."""
+    params = tmp_path / "params.yaml"
+    params.write_text("train:\n  channels_last: off\n  base_lr: 1\n  momentum: 0\n"
+                      "distributed:\n  nproc_per_node: 2\n  nnodes: 1\nmlflow:\n  sweep: 'null'\n")
+    cfg = load_config([], params_file=params)
+    assert cfg.train.channels_last == "off"
+    assert type(cfg.train.base_lr) is float and cfg.train.base_lr == 1.0
+    assert type(cfg.train.momentum) is float
+    assert cfg.distributed.nproc_per_node == "2" and cfg.distributed.nnodes == "1"
+    assert cfg.mlflow.sweep is None
+    cfg = load_config(["train.base_lr=3", "distributed.nproc_per_node=auto", "data.source_dir=~"], params_file=params)
+    assert type(cfg.train.base_lr) is float and cfg.distributed.nproc_per_node == "auto"
+    assert cfg.data.source_dir is None
+
+
+def test_elastic_nnodes_stays_min_colon_max_in_the_file_and_on_the_command_line(tmp_path: Path) -> None:
+    """YAML 1.1 would read an unquoted 1:4 as the base-60 integer 64 (what `dvc exp run -S` writes)."""
+    params = tmp_path / "params.yaml"
+    params.write_text("distributed:\n  nnodes: 1:4\n  rdzv_endpoint: node0:29400\n")
+    assert load_config([], params_file=params).distributed.nnodes == "1:4"
+    assert load_config(["distributed.nnodes=2:8", "distributed.rdzv_endpoint=node0:29400"],
+                       params_file=None).distributed.nnodes == "2:8"
+    assert load_config(["num_epochs=20"], params_file=None).num_epochs == 20
+
+
+def test_a_later_layer_may_correct_an_earlier_one(tmp_path: Path) -> None:
+    params = tmp_path / "params.yaml"
+    params.write_text("num_epochs: 0\n")
+    with pytest.raises(ConfigError) as err:
+        load_config([], params_file=params)
+    assert str(err.value) == f"{params}: num_epochs = 0 is not accepted; expected an integer >= 1"
+    assert load_config(["num_epochs=3"], params_file=params).num_epochs == 3
+
+
+@pytest.mark.parametrize("yaml_text, message", [
+    ("data: 5\n", "'data' is a section; expected a mapping, got 5"),
+    ("data:\n", "'data' is a section; expected a mapping, got None"),
+    ("train:\n  base_lr:\n    value: 0.1\n", "'train.base_lr' is a value, not a section; expected a number > 0.0"),
+])
+def test_section_and_value_mix_ups_are_named(tmp_path: Path, yaml_text: str, message: str) -> None:
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml_text)
+    with pytest.raises(ConfigError) as err:
+        load_config([], params_file=params)
+    assert str(err.value) == f"{params}: {message}"
+
+
+def test_trajectory_leaves_out_exactly_the_keys_a_run_may_resume_across() -> None:
+    """Checkpoint fingerprints hash trajectory(cfg): its keys, values and types must not drift."""
+    cfg = load_config(["train.base_lr=1", "distributed.nproc_per_node=2"], params_file=PARAMS)
+    flat = flatten(cfg)
+    resumable = {k for k in flat if k.startswith(("paths.", "mlflow."))} | {
+        "distributed.max_restarts", "distributed.timeout_s", "distributed.nproc_per_node", "distributed.nnodes",
+        "distributed.rdzv_endpoint", "distributed.rdzv_id", "distributed.shutdown_timeout_s",
+        "train.progress_bar", "train.checkpoint_every_steps", "train.keep_checkpoints",
+        "train.eval_batch_size_per_rank", "train.export"}
+    expected = {k: v for k, v in flat.items() if k not in resumable}
+    assert trajectory(cfg) == expected and list(trajectory(cfg)) == list(expected)
+    assert json.dumps(trajectory(cfg)) == json.dumps(expected)  # same types: 1.0 stays 1.0
+    assert "train.base_lr" in trajectory(cfg) and "paths.raw" not in trajectory(cfg)
 
 
 @pytest.mark.parametrize("override, unknown, suggestion", [

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddpipe.config import DistributedConfig
+from ddpipe.launch import torchrun_command
 from tests.conftest import (
     CLONE_ENV,
     ROOT,
-    VENV_BIN,
     args_for,
     free_port,
     max_rel_diff,
@@ -49,10 +50,9 @@ def test_two_torchrun_agents_on_one_machine_match_one_agent_with_two_processes(t
     common = ["num_epochs=1"]
     run(torchrun(2, *args_for(tmp_path / "single", prepared, *common)))
     port = free_port()
+    two_nodes = DistributedConfig(nnodes="2", rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id="fault-suite")
     agents = [subprocess.Popen(
-        [str(VENV_BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
-         f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=fault-suite", str(ROOT / "stages" / "train.py"),
-         *args_for(tmp_path / "multi", prepared, *common)],
+        torchrun_command(two_nodes, 1, args_for(tmp_path / "multi", prepared, *common)),
         cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for _ in range(2)]
     for agent in agents:

@@ -4,24 +4,72 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
+import pytest
+import yaml
+
+from ddpipe.config import ConfigError, DistributedConfig
+from ddpipe.launch import resolve_nproc, torchrun_command
 from ddpipe.preemption import EXIT_PREEMPTED
-from tests.conftest import ROOT
+from tests.conftest import ROOT, args_for, run, subprocess_env
 
 
-def test_launch_asks_torchrun_to_pass_on_the_stop_signals(tiny_cfg) -> None:
-    from ddpipe.launch import torchrun_command
-
-    cmd = torchrun_command(tiny_cfg(), 2, ["num_epochs=1"])
+def test_one_node_command_asks_torchrun_for_a_free_port_and_to_pass_on_the_stop_signals() -> None:
+    cmd = torchrun_command(DistributedConfig(), 2, ["num_epochs=1"])
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--nproc-per-node=2" in cmd and "--standalone" in cmd and "--max-restarts=0" in cmd
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in cmd
-    assert "--shutdown-timeout=60" in cmd and "--standalone" in cmd
-    assert cmd[-1] == "num_epochs=1" and cmd[-2].endswith("stages/train.py")
-    dvc = (ROOT / "dvc.yaml").read_text()
-    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in dvc
-    assert "--shutdown-timeout=${distributed.shutdown_timeout_s}" in dvc
+    assert "--shutdown-timeout=60" in cmd
+    assert cmd[-1] == "num_epochs=1" and cmd[-2] == str(ROOT / "stages" / "train.py")
+
+
+def test_multi_node_command_uses_the_c10d_rendezvous() -> None:
+    d = DistributedConfig(nnodes="2:4", rdzv_endpoint="node0:29400", rdzv_id="job7", max_restarts=3)
+    cmd = torchrun_command(d, 8, [])
+    assert "--standalone" not in cmd
+    for flag in ("--nnodes=2:4", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29400", "--rdzv-id=job7",
+                 "--max-restarts=3", "--nproc-per-node=8"):
+        assert flag in cmd
+
+
+def test_the_train_stage_runs_the_launcher() -> None:
+    """dvc.yaml's train stage, deploy/ and the tests all get their torchrun command from one builder."""
+    assert yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]["cmd"] == "python -m ddpipe.launch"
+    for launcher in ("deploy/slurm/train.sbatch", "deploy/k8s/indexed-job.yaml", "deploy/k8s/pytorchjob.yaml"):
+        text = (ROOT / launcher).read_text()
+        assert "ddpipe.launch" in text and "torch.distributed.run" not in text, launcher
+
+
+def test_print_shows_the_command_after_the_checks(prepared: Path, tmp_path: Path) -> None:
+    args = args_for(tmp_path, prepared, "distributed.nproc_per_node=1")
+    out = run([sys.executable, "-m", "ddpipe.launch", "--print", *args]).stdout
+    assert out.strip().splitlines()[-1] == " ".join(torchrun_command(DistributedConfig(), 1, args))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("distributed.nproc_per_node=999", "distributed.nproc_per_node = 999 is not accepted on this node"),
+    ("train.grad_accum_steps=100000", "train.grad_accum_steps = 100000"),
+])
+def test_mistakes_that_need_the_node_or_the_data_fail_before_torchrun(prepared: Path, tmp_path: Path, bad: str,
+                                                                      message: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "ddpipe.launch", *args_for(tmp_path, prepared, bad)],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and "torch.distributed.run" not in proc.stdout
+
+
+def test_nproc_is_refused_above_the_cores_of_a_cpu_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("ddpipe.launch.cpu_count", lambda: 4)
+    assert resolve_nproc(DistributedConfig(nproc_per_node="4")) == 4
+    assert resolve_nproc(DistributedConfig(nproc_per_node="auto")) == 1
+    with pytest.raises(ConfigError, match="it has 4 CPU cores"):
+        resolve_nproc(DistributedConfig(nproc_per_node="5"))
 
 
 def _signal_self_soon(signum: int, after: float) -> None:

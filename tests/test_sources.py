@@ -16,7 +16,7 @@ import pytest
 from ddpipe import sources
 from ddpipe.config import DataConfig
 from ddpipe.sources import DataSourceError, fetch, load_raw, read_cifar10, read_idx, read_imagefolder, verify_file
-from tests.conftest import FASHION_DIR, make_cifar_like, make_imagefolder, make_mnist_like, write_idx
+from tests.conftest import FASHION_DIR, make_cifar_like, make_imagefolder, make_mnist_like, run, write_idx
 
 
 def test_idx_roundtrip(tmp_path: Path) -> None:
@@ -78,9 +78,40 @@ def test_imagefolder_parses_and_resizes(tmp_path: Path, mode: str, channels: int
 def test_imagefolder_needs_class_folders(tmp_path: Path) -> None:
     with pytest.raises(DataSourceError, match="needs data.source_dir"):
         fetch(DataConfig(dataset="imagefolder"), tmp_path / "out")
+    with pytest.raises(DataSourceError, match="data.source_dir = '.*nowhere': not a directory"):
+        fetch(DataConfig(dataset="imagefolder", source_dir=str(tmp_path / "nowhere")), tmp_path / "out")
     (tmp_path / "flat").mkdir()
     with pytest.raises(DataSourceError, match="one sub-folder of images per class"):
         fetch(DataConfig(dataset="imagefolder", source_dir=str(tmp_path / "flat")), tmp_path / "out")
+
+
+REMEDY = "run the fetch stage first: `dvc repro fetch` or `python stages/fetch.py`"
+
+
+@pytest.mark.parametrize("dataset", ["fashion_mnist", "cifar10", "imagefolder"])
+def test_reading_before_fetch_names_paths_raw_and_the_remedy(tmp_path: Path, dataset: str) -> None:
+    """On a fresh clone the fetch stage's output does not exist yet: name the key, the directory and
+    what to run (not data.source_dir, which only the fetch stage reads)."""
+    missing = tmp_path / "raw"
+    with pytest.raises(DataSourceError) as err:
+        load_raw(DataConfig(dataset=dataset), missing)
+    assert str(err.value) == f"paths.raw = {str(missing)!r}: not a directory (the fetch stage's output); {REMEDY}"
+
+
+def test_a_file_missing_from_the_fetch_output_is_named_with_the_remedy(tmp_path: Path) -> None:
+    make_mnist_like(tmp_path, n_train=30, n_test=10)
+    (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()
+    with pytest.raises(DataSourceError) as err:
+        load_raw(DataConfig(dataset="mnist"), tmp_path)
+    assert str(err.value) == f"{tmp_path / 't10k-labels-idx1-ubyte.gz'}: missing; {REMEDY}"
+
+
+def test_prepare_stage_before_fetch_says_what_to_run(tmp_path: Path) -> None:
+    result = run(["python", "stages/prepare.py", f"paths.raw={tmp_path}/raw", f"paths.prepared={tmp_path}/prepared"],
+                 check=False, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"paths.raw = '{tmp_path}/raw': not a directory" in result.stderr and REMEDY in result.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_checksum_mismatch_names_the_file(tmp_path: Path) -> None:

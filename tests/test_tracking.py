@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from ddpipe.config import Config, MlflowConfig, load_config
 from ddpipe.distributed import DistInfo
@@ -39,9 +38,9 @@ def _client(uri: str):
 
 
 def test_only_global_rank_zero_tracks() -> None:
-    cpu = torch.device("cpu")
-    assert isinstance(make_tracker(MlflowConfig(), DistInfo(True, 0, 0, 2, 1, 2, cpu, "gloo")), MlflowTracker)
-    other = make_tracker(MlflowConfig(), DistInfo(True, 1, 0, 2, 1, 2, cpu, "gloo"))
+    two_nodes = {"distributed": True, "world_size": 2, "num_nodes": 2, "backend": "gloo"}
+    assert isinstance(make_tracker(MlflowConfig(), DistInfo(rank=0, **two_nodes)), MlflowTracker)
+    other = make_tracker(MlflowConfig(), DistInfo(rank=1, **two_nodes))
     assert type(other) is NullTracker and other.log_metrics({"x": 1.0}, step=0) is None
 
 
@@ -157,7 +156,7 @@ def test_tracking_server_down_costs_bounded_time_and_training_completes(tmp_path
 
 def test_tracker_failure_is_contained(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    info = DistInfo(False, 0, 0, 1, 1, 1, torch.device("cpu"), None)
+    info = DistInfo()
     tracker = MlflowTracker(MlflowConfig(tracking_uri="http://127.0.0.1:9"), info)  # nothing listens there
     with pytest.warns(RuntimeWarning, match="training goes on without tracking"):
         tracker.start(Config(), {}, None, tmp_path)

@@ -5,21 +5,16 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from ddpipe import checkpoint as ckpt
-from ddpipe.data import BatchTransform, InMemoryDataset
-from ddpipe.distributed import DistInfo
 from ddpipe.models import load_model
-from ddpipe.training import evaluate_split
-from tests.conftest import ROOT, args_for, max_rel_diff, run, spawn, subprocess_env, torchrun, weights
+from ddpipe.training import train
+from tests.conftest import ROOT, args_for, max_rel_diff, run, subprocess_env, torchrun, weights
 
 
 @pytest.mark.slow
@@ -34,16 +29,31 @@ def test_plain_process_trains_and_writes_every_output(tmp_path: Path, prepared: 
     assert [p.name for p in (tmp_path / "ckpt").iterdir()] and not list((tmp_path / "ckpt").glob(".*"))
 
 
+def test_train_in_process_on_the_real_config_shrunk(tiny_cfg, prepared: Path) -> None:
+    """``train(cfg)`` called directly (one plain process, no launcher): the shape of what a run leaves."""
+    cfg = tiny_cfg(f"paths.prepared={prepared}", "train.hflip=false", "num_epochs=1", "mlflow.log_model=false",
+                   "mlflow.log_system_metrics=false", "train.checkpoint_every_steps=2")
+    metrics = train(cfg)
+    assert metrics["epochs"] == 1 and metrics["world_size"] == 1 and 0.0 <= metrics["val_accuracy"] <= 1.0
+    assert json.loads(Path(cfg.paths.train_metrics).read_text())["train"] == pytest.approx(metrics)
+    assert load_model(cfg.paths.model)[1]["exported_epoch"] == 1
+    assert len(Path(cfg.paths.history).read_text().splitlines()) == 2
+    assert json.loads(Path(cfg.paths.run_info).read_text())["run_id"]
+    # the epoch-end checkpoint, plus the newest mid-epoch one (keep_checkpoints = 2)
+    names = sorted(p.name for p in Path(cfg.paths.checkpoints).glob("ckpt-*.pt"))
+    assert len(names) == 2 and names[-1].endswith("-e0001-s000000.pt")
+
+
 @pytest.mark.slow
 def test_one_and_two_processes_end_as_close_as_float_rounding_allows(tmp_path: Path, prepared: Path) -> None:
-    """Issue 3's configuration: default AdamW and precision, lr_scaling=none, global batch 64 as 1 x 64
+    """Default AdamW and precision, lr_scaling=none, global batch 64 as 1 x 64
     and as 2 x 32, 2 epochs. DistributedSampler shards + SyncBatchNorm + keyed augmentation give the
     2-process run the 1-process run's samples, statistics and learning rate at every step, so the two
     may differ only by float rounding, and rounding differences grow chaotically in training (ReLU
     and max-pool decisions flip, AdamW normalises the changed gradients). The yardstick is the same
     1-process run with 1 thread instead of 2, which differs from it by nothing but rounding (the
     order of its sums). Measured here: on this test's data 6.1%, 7.0% and 79% (another seed); on
-    Fashion-MNIST (2,048 samples, the default model) 18.5%, 18.9% and 91%. So issue 3's "within 1e-3"
+    Fashion-MNIST (2,048 samples, the default model) 18.5%, 18.9% and 91%. So a bound such as "within 1e-3"
     is below what rounding alone produces, and at this distance a real defect hides in the noise
     (2 processes without SyncBatchNorm: 28%); the test below is the one that tells them apart, and
     distributed.exact removes the rounding differences altogether (tests/test_exact.py: 0.0)."""
@@ -103,7 +113,7 @@ def test_sigkilled_worker_is_restarted_and_resumes_exactly(tmp_path: Path, prepa
 
     killed = tmp_path / "killed"
     env = subprocess_env()
-    proc = subprocess.Popen(torchrun(2, *args_for(killed, prepared, *common), extra=("--max-restarts=1",)),
+    proc = subprocess.Popen(torchrun(2, *args_for(killed, prepared, *common), max_restarts=1),
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while not _newest_checkpoint(killed / "ckpt") and time.time() < deadline and proc.poll() is None:
@@ -138,142 +148,3 @@ def test_same_seed_twice_gives_the_same_metrics(tmp_path: Path, prepared: Path) 
     a, b = (json.loads((tmp_path / n / "train.json").read_text())["train"] for n in ("a", "b"))
     for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy"):
         assert a[key] == b[key], key
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoints
-
-
-def test_checkpoint_roundtrip_with_rng_state(tmp_path: Path) -> None:
-    torch.manual_seed(7)
-    state = {"model": {"w": torch.randn(3)}, "rng": ckpt.rng_state(), "history": [{"epoch": 1, "x": 0.5}]}
-    expected = torch.rand(4)
-    path = ckpt.save_checkpoint(tmp_path, "abcdef012345", ckpt.Position(1, 0), state, keep=2)
-    assert path.name == "ckpt-abcdef012345-e0001-s000000.pt"
-    pos, loaded = ckpt.load_latest(tmp_path, "abcdef012345")
-    assert pos == ckpt.Position(1, 0)
-    ckpt.set_rng_state(loaded["rng"])
-    assert torch.equal(torch.rand(4), expected)
-
-
-def test_keep_prunes_only_this_runs_checkpoints(tmp_path: Path) -> None:
-    other = ckpt.save_checkpoint(tmp_path, "111111111111", ckpt.Position(1, 0), {"x": torch.ones(1)}, keep=1)
-    for e in range(1, 5):
-        ckpt.save_checkpoint(tmp_path, "222222222222", ckpt.Position(e, 0), {"x": torch.ones(1)}, keep=2)
-    names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == [other.name, "ckpt-222222222222-e0003-s000000.pt", "ckpt-222222222222-e0004-s000000.pt"]
-
-
-@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
-def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path, damage: str) -> None:
-    fp = "abcdef012345"
-    ckpt.save_checkpoint(tmp_path, fp, ckpt.Position(1, 0), {"v": torch.tensor([1.0])}, keep=3)
-    newest = ckpt.save_checkpoint(tmp_path, fp, ckpt.Position(2, 0), {"v": torch.tensor([2.0])}, keep=3)
-    data = newest.read_bytes()
-    newest.write_bytes({"truncate": data[: len(data) // 2], "garbage": os.urandom(len(data)), "empty": b""}[damage])
-    pos, state = ckpt.load_latest(tmp_path, fp)
-    assert pos == ckpt.Position(1, 0) and state["v"].item() == 1.0
-
-
-def test_only_corrupt_checkpoints_fail_clearly(tmp_path: Path) -> None:
-    fp = "abcdef012345"
-    path = ckpt.checkpoint_path(tmp_path, fp, ckpt.Position(1, 0))
-    path.write_bytes(b"not a checkpoint")
-    with pytest.raises(ckpt.CheckpointError, match="none of this run's 1 checkpoint"):
-        ckpt.load_latest(tmp_path, fp)
-
-
-class _Payload:
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (Path.touch, (self.marker,))
-
-
-def test_checkpoint_with_pickle_payload_is_refused_and_never_runs(tmp_path: Path) -> None:
-    fp = "abcdef012345"
-    marker = tmp_path / "payload-ran"
-    good = ckpt.save_checkpoint(tmp_path, fp, ckpt.Position(1, 0), {"v": torch.tensor([1.0])}, keep=3)
-    evil = ckpt.checkpoint_path(tmp_path, fp, ckpt.Position(2, 0))
-    torch.save({"fingerprint": fp, "x": _Payload(marker)}, evil, pickle_module=pickle)
-    pos, _ = ckpt.load_latest(tmp_path, fp)
-    assert pos == ckpt.Position(1, 0) and good.exists()
-    assert not marker.exists()
-
-
-def test_killed_checkpoint_write_leaves_previous_intact(tmp_path: Path) -> None:
-    """A write that dies midway leaves only a hidden temp file; the final path keeps the old bytes."""
-    fp = "abcdef012345"
-    path = ckpt.save_checkpoint(tmp_path, fp, ckpt.Position(1, 0), {"v": torch.tensor([1.0])}, keep=3)
-    before = path.read_bytes()
-
-    class Boom(Exception):
-        pass
-
-    def exploding_save(obj: object, f) -> None:
-        f.write(b"partial bytes")
-        raise Boom
-
-    original = torch.save
-    torch.save = exploding_save
-    try:
-        with pytest.raises(Boom):
-            ckpt.save_checkpoint(tmp_path, fp, ckpt.Position(1, 0), {"v": torch.tensor([9.0])}, keep=3)
-    finally:
-        torch.save = original
-    assert path.read_bytes() == before
-    assert ckpt.load_latest(tmp_path, fp)[1]["v"].item() == 1.0
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]
-
-
-@pytest.mark.slow
-def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path: Path) -> None:
-    """A real SIGKILL while rank 0 writes a (large) checkpoint: the final path never holds a partial
-    file, the previous checkpoint still loads, and the leftover temp file is ignored."""
-    fp = "abcdef012345"
-    previous = ckpt.save_checkpoint(tmp_path, fp, ckpt.Position(1, 0), {"v": torch.tensor([1.0])}, keep=3)
-    writer = subprocess.Popen([
-        "python", "-c",
-        "import sys, torch; from pathlib import Path; from ddpipe import checkpoint as c; "
-        "c.save_checkpoint(Path(sys.argv[1]), sys.argv[2], c.Position(2, 0), "
-        "{'v': torch.zeros(400_000_000, dtype=torch.uint8)}, keep=3)", str(tmp_path), fp],
-        cwd=ROOT, env=subprocess_env())
-    deadline = time.time() + 120
-    while time.time() < deadline and not list(tmp_path.glob(".ckpt-*.tmp")):
-        time.sleep(0.01)
-    assert list(tmp_path.glob(".ckpt-*.tmp")), "the writer never started its temp file"
-    os.kill(writer.pid, signal.SIGKILL)
-    writer.wait(timeout=60)
-    assert not ckpt.checkpoint_path(tmp_path, fp, ckpt.Position(2, 0)).exists()
-    pos, state = ckpt.load_latest(tmp_path, fp)
-    assert pos == ckpt.Position(1, 0) and state["v"].item() == 1.0 and previous.exists()
-
-
-# ---------------------------------------------------------------------------------------------
-# Exact distributed validation
-
-
-def _eval_rank(rank: int, world: int, prepared: Path, out: Path) -> None:
-    torch.manual_seed(0)
-    from ddpipe.models import ResNetSmall
-
-    model = ResNetSmall(1, 10, 8).eval()
-    ds = InMemoryDataset.load(prepared, "val")
-    ds = InMemoryDataset(ds.images[:143], ds.labels[:143])  # 143: not divisible by 2 or 3
-    info = DistInfo(True, rank, rank, world, world, 1, torch.device("cpu"), "gloo")
-    t = BatchTransform([0.3], [0.3], 0, False, 0, info.device, False)
-    import contextlib
-
-    loss, acc = evaluate_split(model, ds, t, info, 16, contextlib.nullcontext, False)
-    if rank == 0:
-        torch.save({"loss": loss, "acc": acc}, out)
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_validation_counts_each_sample_once_at_any_world_size(prepared: Path, world: int, tmp_path: Path) -> None:
-    spawn(_eval_rank, 1, prepared, tmp_path / "one.pt")
-    spawn(_eval_rank, world, prepared, tmp_path / "many.pt")
-    one, many = (torch.load(tmp_path / f, weights_only=True) for f in ("one.pt", "many.pt"))
-    assert one["acc"] == pytest.approx(many["acc"], abs=1e-12)
-    assert one["loss"] == pytest.approx(many["loss"], rel=1e-6)

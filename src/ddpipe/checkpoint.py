@@ -1,4 +1,4 @@
-"""Checkpoints: written atomically by global rank 0, loaded safely, resumed exactly.
+"""Checkpoints: written atomically by global rank 0, loaded safely, shared with every rank, resumed exactly.
 
 A checkpoint is named after the position to resume from, ``ckpt-<fingerprint>-e<epoch>-s<step>.pt``
 (step = optimizer steps already done in that epoch). The fingerprint hashes everything that
@@ -17,11 +17,12 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from ddpipe.distributed import DistInfo, barrier, broadcast_object, print0
 from ddpipe.fsutil import atomic_save
 
 _NAME = re.compile(r"^ckpt-(?P<fp>[0-9a-f]{12})-e(?P<epoch>\d{4,})-s(?P<step>\d{6,})\.pt$")
@@ -102,6 +103,46 @@ def load_latest(directory: Path, fp: str) -> tuple[Position, dict[str, Any]] | N
 def other_runs(directory: Path, fp: str) -> list[Path]:
     """Checkpoints of other configurations (reported when a run starts fresh beside them)."""
     return [p for _, p in list_checkpoints(directory) if f"-{fp}-" not in p.name]
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+class Checkpointer:
+    """One run's checkpoints in ``directory``: rank 0 reads and writes them; every rank gets what rank 0
+    read, and waits at a barrier until what it writes is on disk."""
+
+    def __init__(self, directory: str | Path, fp: str, keep: int, info: DistInfo) -> None:
+        self.directory, self.fp, self.keep, self.info = Path(directory), fp, keep, info
+
+    def save(self, pos: Position, parts: dict[str, Stateful], **values: Any) -> None:
+        """The checkpoint of ``pos``: each part's ``state_dict()``, the RNG states, and ``values``."""
+        if self.info.is_main:
+            state = {name: part.state_dict() for name, part in parts.items()}
+            save_checkpoint(self.directory, self.fp, pos, {**state, "rng": rng_state(), **values}, self.keep)
+        barrier(self.info)
+
+    def restore(self, parts: dict[str, Stateful]) -> tuple[Position, dict[str, Any]] | None:
+        """Load the newest loadable checkpoint of this run into ``parts`` and the RNGs on every rank;
+        its position and the whole state (for the ``values`` saved with it), or None for a fresh start."""
+        found = None
+        if self.info.is_main:
+            found = load_latest(self.directory, self.fp)
+            if found is None:
+                others = other_runs(self.directory, self.fp)
+                why = f"{len(others)} checkpoint(s) there belong to other configurations" if others else \
+                    "no checkpoint yet"
+                print0(f"starting fresh ({self.directory}: {why})")
+        found = broadcast_object(found, self.info)
+        if found is None:
+            return None
+        pos, state = found  # type: ignore[misc]
+        for name, part in parts.items():
+            part.load_state_dict(state[name])
+        set_rng_state(state["rng"])
+        return pos, state
 
 
 # ---------------------------------------------------------------------------------------------

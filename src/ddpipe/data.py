@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
-from ddpipe.config import DataConfig
+from ddpipe.config import ConfigError, DataConfig, TrainConfig
 from ddpipe.fsutil import atomic_save, replace_dir
 from ddpipe.sources import RawDataset, load_raw
 
@@ -65,14 +65,18 @@ def split_indices(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.nd
 # The prepare stage
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prepared:
-    """Summary of what ``prepare`` wrote."""
+    """What ``prepare`` wrote beside the splits (``meta.json``): the dataset, its classes and image
+    shape, the training split's per-channel mean and std, and the size of each split."""
 
-    sizes: dict[str, int]
+    dataset: str
     classes: list[str]
+    num_channels: int
+    image_size: list[int]
     mean: list[float]
     std: list[float]
+    sizes: dict[str, int]
 
 
 def prepare(cfg: DataConfig, seed: int, raw_dir: Path, out_dir: Path) -> Prepared:
@@ -85,15 +89,11 @@ def prepare(cfg: DataConfig, seed: int, raw_dir: Path, out_dir: Path) -> Prepare
     as_float = train_images.astype(np.float64) / 255.0
     mean = as_float.mean(axis=(0, 2, 3)).tolist()
     std = as_float.std(axis=(0, 2, 3)).clip(min=1e-3).tolist()
-    meta = {
-        "dataset": cfg.dataset,
-        "classes": raw.classes,
-        "num_channels": int(train_images.shape[1]),
-        "image_size": [int(train_images.shape[2]), int(train_images.shape[3])],
-        "mean": mean,
-        "std": std,
-        "sizes": {k: int(len(v[1])) for k, v in splits.items()},
-    }
+    meta = Prepared(
+        dataset=cfg.dataset, classes=raw.classes, num_channels=int(train_images.shape[1]),
+        image_size=[int(train_images.shape[2]), int(train_images.shape[3])], mean=mean, std=std,
+        sizes={k: int(len(v[1])) for k, v in splits.items()},
+    )
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp") as tmp:
@@ -102,9 +102,9 @@ def prepare(cfg: DataConfig, seed: int, raw_dir: Path, out_dir: Path) -> Prepare
         for name, (images, labels) in splits.items():
             tensors = {"images": torch.from_numpy(images), "labels": torch.from_numpy(labels)}
             atomic_save(staging / f"{name}.pt", lambda f, t=tensors: torch.save(t, f))
-        (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        (staging / "meta.json").write_text(json.dumps(asdict(meta), indent=2) + "\n")
         replace_dir(staging, out_dir)
-    return Prepared(meta["sizes"], raw.classes, mean, std)
+    return meta
 
 
 def make_splits(raw: RawDataset, cfg: DataConfig, seed: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -131,11 +131,12 @@ def make_splits(raw: RawDataset, cfg: DataConfig, seed: int) -> dict[str, tuple[
 # Reading prepared data
 
 
-def load_meta(prepared_dir: str | Path) -> dict:
+def load_meta(prepared_dir: str | Path) -> Prepared:
+    """``meta.json`` of the prepared data in ``prepared_dir``."""
     path = Path(prepared_dir) / "meta.json"
     if not path.is_file():
         raise PreparedDataError(f"{path}: missing; run the prepare stage first (dvc repro prepare)")
-    return json.loads(path.read_text())
+    return Prepared(**json.loads(path.read_text()))
 
 
 class InMemoryDataset(Dataset):
@@ -201,6 +202,21 @@ class TrainShards:
 
     def loader(self, epoch: int, start: int = 0, stop: int | None = None) -> DataLoader:
         return _loader(self.dataset, self.batches(epoch)[start:stop], self.pin_memory)
+
+
+def steps_per_epoch(num_samples: int, cfg: TrainConfig, world_size: int) -> int:
+    """Optimizer steps in an epoch of ``num_samples`` (each rank's shard, its full batches, then
+    ``grad_accum_steps`` of them a step, as :class:`TrainShards` serves them)."""
+    return num_samples // world_size // cfg.batch_size_per_rank // cfg.grad_accum_steps
+
+
+def check_global_batch(num_samples: int, cfg: TrainConfig, world_size: int) -> None:
+    """ConfigError unless an epoch of ``num_samples`` has at least one optimizer step."""
+    if steps_per_epoch(num_samples, cfg, world_size) < 1:
+        raise ConfigError(
+            f"train.grad_accum_steps = {cfg.grad_accum_steps} x train.batch_size_per_rank = "
+            f"{cfg.batch_size_per_rank} x {world_size} process(es) exceeds the training split "
+            f"({num_samples} samples); accepted: a global batch no larger than the split")
 
 
 def eval_loader(

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ddpipe.config import Config
 from ddpipe.data import InMemoryDataset
-from ddpipe.distributed import cpu_count
+from ddpipe.devices import cpu_count
 from ddpipe.fsutil import atomic_open, atomic_write_json, atomic_write_text
 from ddpipe.inference import ImageClassifier
 from ddpipe.tracking import RunLogger

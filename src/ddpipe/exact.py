@@ -17,32 +17,21 @@ below fp32's last bit). Gradients come out as global sum / world size on every r
 average turns back into the global sum: exactly when the world size is a power of two.
 
 Limits: CPU (cuDNN chooses its algorithms by batch size); no ``torch.compile`` (fusion may reorder the
-per-sample arithmetic); layers: Conv2d (groups 1, zero padding), Linear, BatchNorm. The loss is a mean
-over the local batch, so per-sample gradients are scaled by 1 / local batch: exact when the world
-sizes compared differ by powers of two. Cost: mostly the fp64 weight gradients, 2.6x (fp32) to 4.2x
-(bf16) a normal step (BENCHMARKS.md, "World-size-exact mode").
+per-sample arithmetic); layers: Conv2d (groups 1, zero padding), Linear, affine BatchNorm (its exact
+version, ``ExactBatchNorm``, lives in ``ddpipe.batchnorm`` beside the CPU SyncBatchNorm whose math it
+shares). The loss is a mean over the local batch, so per-sample gradients are scaled by 1 / local
+batch: exact when the world sizes compared differ by powers of two. Cost: mostly the fp64 weight
+gradients, 2.6x (fp32) to 4.2x (bf16) a normal step (BENCHMARKS.md, "World-size-exact mode").
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ddpipe.distributed import CPUSyncBatchNorm, affine, batchnorm_input_grad
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _global_sum(t: torch.Tensor, world: int) -> torch.Tensor:
-    """Sum of an fp64 tensor over the ranks."""
-    if world > 1:
-        dist.all_reduce(t)
-    return t
+from ddpipe.batchnorm import ExactBatchNorm, _global_sum, _world
 
 
 def _param_grads(grad_w: torch.Tensor, grad_b: torch.Tensor | None, world: int,
@@ -59,56 +48,6 @@ def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """What autocast would run the layer in (bf16 under bf16 autocast), else the weight's dtype."""
     kind = x.device.type
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else weight.dtype
-
-
-def _per_sample_sums(t: torch.Tensor) -> torch.Tensor:
-    """fp32 sums over everything but the batch and channel dimensions, shape (N, C): each sample's
-    sum is reduced in an order fixed by its own shape, so it has the same bits in any batch."""
-    return t.sum(tuple(range(2, t.dim())), dtype=torch.float32) if t.dim() > 2 else t.float()
-
-
-class _BatchNormFn(torch.autograd.Function):
-    """Batch normalisation over the global batch from fp64 sums of per-sample partial sums."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, world):
-        xf, c = x.float(), x.shape[1]
-        parts = torch.stack([_per_sample_sums(xf), _per_sample_sums(xf * xf)]).double().sum(1).flatten()
-        sums = _global_sum(torch.cat([parts, parts.new_full((1,), x.numel() // c)]), world)
-        count = sums[2 * c]
-        mean = sums[:c] / count
-        var = (sums[c:2 * c] / count - mean * mean).clamp_min(0.0)
-        invstd = torch.rsqrt(var + eps)
-        scale = weight.double() * invstd
-        y = affine(x, scale.float(), (bias.double() - mean * scale).float())
-        ctx.save_for_backward(x, weight, mean, invstd, count)
-        ctx.world = world
-        return y, mean.float(), var.float(), count
-
-    @staticmethod
-    def backward(ctx, dy, _mean, _var, _count):
-        x, weight, mean, invstd, count = ctx.saved_tensors
-        dyf, xf = dy.float(), x.float()
-        parts = torch.stack([_per_sample_sums(dyf), _per_sample_sums(dyf * xf)]).double().sum(1).flatten()
-        sum_dy, sum_dy_x = _global_sum(parts, ctx.world).view(2, -1)
-        sum_dy_xhat = (sum_dy_x - mean * sum_dy) * invstd
-        dx = batchnorm_input_grad(dyf, xf, weight.double(), mean, invstd, sum_dy / count, sum_dy_xhat / count)
-        return (dx.to(x.dtype), (sum_dy_xhat / ctx.world).to(weight.dtype), (sum_dy / ctx.world).to(weight.dtype),
-                None, None)
-
-
-class ExactBatchNorm(CPUSyncBatchNorm):
-    """Training-mode BatchNorm over the global batch (synchronised across ranks, like SyncBatchNorm)
-    with the same bits at any world size; running statistics updated as torch does. Eval: plain."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training:
-            return _BatchNorm.forward(self, x)
-        with torch.autocast(x.device.type, enabled=False):
-            y, mean, var, count = _BatchNormFn.apply(x, self.weight, self.bias, self.eps, _world())
-        if self.track_running_stats:
-            self._update_running_stats(mean.detach(), var.detach(), float(count.detach()))
-        return y
 
 
 class _Conv2dFn(torch.autograd.Function):

@@ -19,52 +19,110 @@ container's PID 1, the only one the kubelet signals.
 
 from __future__ import annotations
 
+import functools
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from ddpipe.cli import load_or_exit
-from ddpipe.config import Config
+from ddpipe.config import Config, ConfigError, DistributedConfig
+from ddpipe.data import PreparedDataError, check_global_batch, load_meta
+from ddpipe.devices import cpu_count, resolve_precision
+from ddpipe.exact import make_exact
+from ddpipe.models import build_model
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "stages" / "train.py"
 # What torchrun passes on to its workers (its default, plus SLURM's warning signal)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 
-def torchrun_command(cfg: Config, nproc: int, overrides: list[str]) -> list[str]:
-    """The torchrun argv for this node (script overrides passed through to every worker)."""
-    d = cfg.distributed
+def torchrun_command(d: DistributedConfig, nproc: int, script_args: Sequence[str] = (),
+                     script: str | Path = TRAIN_SCRIPT) -> list[str]:
+    """The torchrun argv for this node: ``nproc`` workers of ``script`` (``script_args`` passed to every
+    worker), restarts, stop-signal forwarding and rendezvous from ``d``. The one place a torchrun
+    command is written (dvc.yaml, deploy/, the tests and the benchmarks all come here)."""
     # torchrun as a module of this interpreter: no PATH lookup, never another Python's torchrun
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--max-restarts={d.max_restarts}", f"--signals-to-handle={','.join(s.name for s in FORWARDED)}",
-           f"--shutdown-timeout={d.shutdown_timeout_s}"]
+           f"--max-restarts={d.max_restarts}"]
+    cmd += [flag for flag in (f"--signals-to-handle={','.join(s.name for s in FORWARDED)}",
+                              f"--shutdown-timeout={d.shutdown_timeout_s}") if _torchrun_accepts(flag)]
     if d.nnodes == "1":
-        cmd.append("--standalone")
+        cmd.append("--standalone")  # a free port: parallel experiments never collide
     else:
         cmd += [f"--nnodes={d.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={d.rdzv_endpoint}",
                 f"--rdzv-id={d.rdzv_id}"]
-    return cmd + [str(TRAIN_SCRIPT), *overrides]
+    return cmd + [str(script), *script_args]
+
+
+@functools.cache
+def _torchrun_accepts(flag: str) -> bool:
+    """Whether this torch's torchrun has ``flag``: --signals-to-handle and --shutdown-timeout are newer than
+    some supported torch versions (torch 2.11's torchrun has no --shutdown-timeout; it then waits its own
+    default before killing the workers after a stop)."""
+    from torch.distributed.run import get_args_parser
+
+    return flag.split("=")[0] in get_args_parser()._option_string_actions
+
+
+def resolve_nproc(d: DistributedConfig) -> int:
+    """Processes on this node. ``auto``: one per visible GPU; on a CPU-only machine one process that
+    uses every core as intra-op threads, which measured faster than one single-thread process per
+    core (BENCHMARKS.md, "DDP overhead"). An int is refused above the GPUs (CUDA) or cores (CPU)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if d.nproc_per_node == "auto":
+        return gpus or 1
+    nproc = int(d.nproc_per_node)
+    limit, what = (gpus, "visible GPUs") if gpus else (cpu_count(), "CPU cores this process may use")
+    if nproc > limit:
+        raise ConfigError(f"distributed.nproc_per_node = {nproc} is not accepted on this node: it has {limit} "
+                          f"{what}; accepted: 1 to {limit}, or auto")
+    return nproc
+
+
+def preflight(cfg: Config, world_size: int) -> None:
+    """Every check that needs this node's devices or the prepared data, for a job of ``world_size``
+    processes: run before torchrun starts any worker (and by each worker, for a torchrun started by hand)."""
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    resolve_precision(cfg.train.precision, device)
+    if cfg.distributed.backend == "nccl" and device.type != "cuda":
+        raise ConfigError("distributed.backend = 'nccl' needs CUDA GPUs; accepted here: auto or gloo")
+    if cfg.distributed.exact and device.type != "cpu":
+        raise ConfigError("distributed.exact = True is not accepted on CUDA (cuDNN picks its algorithms by "
+                          "batch size, so results depend on the split); accepted there: false")
+    meta = load_meta(cfg.paths.prepared)
+    if cfg.distributed.exact:
+        try:
+            make_exact(build_model(cfg.model, meta.num_channels, len(meta.classes)))
+        except ValueError as exc:
+            raise ConfigError(f"{exc} (model.name = {cfg.model.name!r})") from None
+    check_global_batch(meta.sizes["train"], cfg.train, world_size)
+
+
+def checked_nproc(cfg: Config) -> int:
+    """This node's processes, after every check of :func:`preflight` for the job they make up (an
+    elastic ``MIN:MAX`` job is checked at its minimum size)."""
+    nproc = resolve_nproc(cfg.distributed)
+    preflight(cfg, nproc * int(cfg.distributed.nnodes.split(":")[0]))
+    return nproc
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Check, print the torchrun command, run it (``--print``: print only); exit with its code."""
     argv = sys.argv[1:] if argv is None else argv
-    show_only = "--print" in argv
     overrides = [a for a in argv if a != "--print"]
     cfg = load_or_exit(overrides, "-m ddpipe.launch")
-    from ddpipe.config import ConfigError
-    from ddpipe.data import PreparedDataError
-    from ddpipe.distributed import resolve_nproc
-    from ddpipe.training import preflight
-
     try:
-        preflight(cfg)  # fail here, before any worker starts on any node
+        nproc = checked_nproc(cfg)  # fail here, before any worker starts on any node
     except (ConfigError, PreparedDataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    cmd = torchrun_command(cfg, resolve_nproc(cfg.distributed), overrides)
+    cmd = torchrun_command(cfg.distributed, nproc, overrides)
     print(" ".join(cmd), flush=True)
-    if not show_only:
+    if "--print" not in argv:
         raise SystemExit(run_forwarding_stops(cmd))
 
 
@@ -99,6 +157,7 @@ def run_forwarding_stops(cmd: list[str]) -> int:
               f"step: run the same command to resume (exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
     return code
+
 
 if __name__ == "__main__":
     main()

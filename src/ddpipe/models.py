@@ -59,7 +59,7 @@ class ResNetSmall(nn.Module):
 
 
 class SeedCNN(nn.Module):
-    """The seed documents' plain 5-conv BatchNorm CNN (the benchmarks' reference model)."""
+    """A plain 5-conv BatchNorm CNN, as in the PyTorch DDP tutorials (the benchmarks' reference model)."""
 
     def __init__(self, in_channels: int, num_classes: int, width: int = 32) -> None:
         super().__init__()
@@ -104,7 +104,8 @@ def build_model(cfg: ModelConfig, num_channels: int, num_classes: int) -> nn.Mod
 def save_model(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, meta: dict, path: str | Path,
                extra: dict | None = None) -> None:
     """Weights plus what rebuilds the network, its input normalisation and class names
-    (``torch.load(weights_only=True)``-loadable); ``extra`` adds plain values (e.g. the exported epoch)."""
+    (``torch.load(weights_only=True)``-loadable). ``meta``: the prepared data's ``meta.json`` fields
+    (``dataclasses.asdict`` of ``ddpipe.data.Prepared``); ``extra`` adds plain values (e.g. the exported epoch)."""
     payload = {
         "state_dict": {k: v.detach().cpu().contiguous() for k, v in state_dict.items()},
         "model": asdict(cfg),

@@ -60,6 +60,10 @@ CLASSES = {
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
 
+# What to do when the fetch stage's output (paths.raw), which prepare reads, is missing or incomplete.
+RUN_FETCH_FIRST = "run the fetch stage first: `dvc repro fetch` or `python stages/fetch.py`"
+
+
 class DataSourceError(RuntimeError):
     """The dataset's files are missing, corrupt, or cannot be parsed."""
 
@@ -254,7 +258,7 @@ def _fetch_imagefolder(cfg: DataConfig, staging: Path) -> str:
             "images per class (track it with `dvc add`)"
         )
     root = Path(cfg.source_dir)
-    classes = _image_classes(root)
+    classes = _image_classes(root, "data.source_dir")
     for cls in classes:
         target = staging / cls
         target.mkdir()
@@ -264,16 +268,17 @@ def _fetch_imagefolder(cfg: DataConfig, staging: Path) -> str:
     return f"data.source_dir ({root})"
 
 
-def _image_classes(root: Path) -> list[str]:
+def _image_classes(root: Path, key: str) -> list[str]:
+    """The class folders under ``root``, the directory that ``key`` names (for the messages)."""
     if not root.is_dir():
-        raise DataSourceError(f"data.source_dir = {str(root)!r}: not a directory")
+        raise DataSourceError(f"{key} = {str(root)!r}: not a directory")
     classes = sorted(
         d.name for d in root.iterdir()
         if d.is_dir() and any(p.suffix.lower() in IMAGE_SUFFIXES for p in d.iterdir())
     )
     if len(classes) < 2:
         raise DataSourceError(
-            f"data.source_dir = {str(root)!r}: expected one sub-folder of images per class "
+            f"{key} = {str(root)!r}: expected one sub-folder of images per class "
             f"(at least 2 classes; image suffixes {sorted(IMAGE_SUFFIXES)}), found {classes}"
         )
     return classes
@@ -286,6 +291,9 @@ def _image_classes(root: Path) -> list[str]:
 def load_raw(cfg: DataConfig, raw_dir: Path) -> RawDataset:
     """Parse the fetch stage's output into arrays (the MNISTs, CIFAR-10 or an image folder)."""
     raw_dir = Path(raw_dir)
+    if not raw_dir.is_dir():
+        raise DataSourceError(f"paths.raw = {str(raw_dir)!r}: not a directory (the fetch stage's output); "
+                              f"{RUN_FETCH_FIRST}")
     if cfg.dataset in ("fashion_mnist", "mnist"):
         return RawDataset(
             read_idx(raw_dir / "train-images-idx3-ubyte.gz")[:, None],
@@ -305,7 +313,7 @@ def read_idx(path: Path) -> np.ndarray:
         with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
-        raise DataSourceError(f"{path}: missing; run the fetch stage first") from None
+        raise DataSourceError(f"{path}: missing; {RUN_FETCH_FIRST}") from None
     except (OSError, EOFError) as exc:
         raise DataSourceError(f"{path}: corrupt or truncated ({exc})") from exc
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
@@ -341,7 +349,7 @@ def _read_cifar_pickle(path: Path) -> dict:
         with open(path, "rb") as f:
             return _NumpyOnlyUnpickler(f, encoding="latin1").load()
     except FileNotFoundError:
-        raise DataSourceError(f"{path}: missing; run the fetch stage first") from None
+        raise DataSourceError(f"{path}: missing; {RUN_FETCH_FIRST}") from None
     except Exception as exc:
         raise DataSourceError(f"{path}: cannot be parsed as a CIFAR-10 batch ({exc})") from exc
 
@@ -372,7 +380,7 @@ def read_imagefolder(root: Path, image_size: int) -> RawDataset:
     only when every image is grayscale. The test split is carved later (no official one)."""
     from PIL import Image
 
-    classes = _image_classes(root)
+    classes = _image_classes(root, "paths.raw")
     files = [(p, i) for i, c in enumerate(classes) for p in sorted((root / c).iterdir())
              if p.suffix.lower() in IMAGE_SUFFIXES]
     images = []

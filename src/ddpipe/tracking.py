@@ -1,7 +1,8 @@
-"""Experiment tracking: MLflow on global rank 0, a tracker that does nothing everywhere else.
+"""What rank 0 shows and records of a training: MLflow, the progress bar, the outputs a finished
+training leaves (model file, DVC metrics and plots); twins that do nothing on every other rank.
 
-One training is one MLflow run at any world size. The training loop calls the tracker
-unconditionally. Tracking never kills or hangs training: every call is bounded (short HTTP timeouts,
+One training is one MLflow run at any world size. The training loop calls the tracker and the progress
+bar unconditionally. Tracking never kills or hangs training: every call is bounded (short HTTP timeouts,
 few retries), and after the first failure the tracker warns once and turns itself off.
 
 A run's status says how it ended: FINISHED; FAILED (an exception) or KILLED (SIGINT, or preempted by
@@ -30,13 +31,16 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from ddpipe import __version__
 from ddpipe.config import Config, MlflowConfig, flatten
+from ddpipe.data import Prepared, load_meta
 from ddpipe.distributed import DistInfo, broadcast_object
-from ddpipe.fsutil import atomic_write_json
+from ddpipe.fsutil import atomic_write_json, atomic_write_text
+from ddpipe.models import save_model
 from ddpipe.preemption import Preempted
 
 # Bounded cost when a tracking server is down or slow (the user's own settings win).
@@ -134,6 +138,18 @@ def git_tags() -> dict[str, str]:
     return tags
 
 
+@dataclass
+class TrainingOutputs:
+    """What a finished training leaves: the exported weights and the run's metrics and history."""
+
+    weights: dict[str, Any]
+    exported_epoch: int
+    metrics: dict[str, float]
+    history: list[dict[str, float]]
+    data: Prepared
+    example_images: Any  # a few validation images (uint8, N x C x H x W): the logged model's input example
+
+
 class NullTracker:
     """The tracker on every rank but global rank 0, and when tracking is off: does nothing, but takes
     part in ``start``'s broadcast of the run id (a collective every rank must join)."""
@@ -149,6 +165,7 @@ class NullTracker:
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
     def log_model(self, model_path: Path, input_example: Any, cfg: Config) -> None: ...
+    def save_outputs(self, cfg: Config, outputs: TrainingOutputs) -> None: ...
     def print_link(self) -> None: ...
     def finish(self) -> None: ...
     def end_after(self, exc: BaseException) -> None: ...
@@ -306,9 +323,9 @@ class MlflowTracker(NullTracker):
         from mlflow.data.meta_dataset import MetaDataset
         from mlflow.data.sources import LocalArtifactDatasetSource
 
-        meta = json.loads((Path(cfg.paths.prepared) / "meta.json").read_text())
-        sizes = meta["sizes"]
-        dataset = MetaDataset(LocalArtifactDatasetSource(cfg.paths.prepared), name=meta["dataset"],
+        meta = load_meta(cfg.paths.prepared)
+        sizes = meta.sizes
+        dataset = MetaDataset(LocalArtifactDatasetSource(cfg.paths.prepared), name=meta.dataset,
                               digest=dvc_hash(cfg.paths.prepared))
         mlflow.log_input(dataset, context="training", tags={
             "dvc_path": cfg.paths.prepared, "train_samples": str(sizes["train"]),
@@ -431,6 +448,20 @@ class MlflowTracker(NullTracker):
 
         self._call("log_model", go)
 
+    def save_outputs(self, cfg: Config, outputs: TrainingOutputs) -> None:
+        """Write ``paths.model``, the DVC metrics and plots files and ``paths.run_info``, then log the model."""
+        paths = cfg.paths
+        save_model(outputs.weights, cfg.model, asdict(outputs.data), paths.model,
+                   extra={"exported_epoch": outputs.exported_epoch})
+        atomic_write_json(paths.train_metrics, {"train": outputs.metrics})
+        atomic_write_text(paths.history, history_csv(outputs.history))
+        atomic_write_json(paths.run_info, {"run_id": self.run_id or "", "tracking_uri": self.uri})
+        self.log_metrics({"best_epoch": outputs.metrics["best_epoch"], "exported_epoch": outputs.exported_epoch})
+        if cfg.mlflow.log_model:
+            example = outputs.example_images.numpy()  # as a client has them: uint8, N x H x W for grey
+            self.log_model(Path(paths.model), example[:, 0] if example.shape[1] == 1 else example, cfg)
+        self.print_link()
+
     def print_link(self) -> None:
         """Where to look: the run in ``mlflow ui``'s runs view (started in the repo root)."""
         if self.run_id and self.experiment_id:
@@ -466,6 +497,13 @@ class RunLogger(MlflowTracker):
         self.run_id = run_id
 
 
+def history_csv(history: list[dict[str, float]]) -> str:
+    """The per-epoch history as CSV (``paths.history``, DVC's plots)."""
+    keys = list(history[0])
+    lines = [",".join(keys)] + [",".join(f"{h[k]:.6g}" for k in keys) for h in history]
+    return "\n".join(lines) + "\n"
+
+
 def _metric(key: str, value: float, step: int | None) -> Any:
     from mlflow.entities import Metric
 
@@ -499,6 +537,47 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# ---------------------------------------------------------------------------------------------
+# The progress bar
+
+
+class NullProgress:
+    """The progress bar off rank 0, and when ``train.progress_bar`` is off: does nothing."""
+
+    def step(self, step: int, sums: Any, seconds: float) -> None: ...
+    def close(self) -> None: ...
+
+
+class Progress(NullProgress):
+    """tqdm over an epoch's optimizer steps, with the running loss and images/s every 10 steps."""
+
+    def __init__(self, desc: str, total: int, initial: int, world_size: int) -> None:
+        import sys
+
+        from tqdm import tqdm
+
+        # In a log file (DVC, CI, a cluster) every refresh is a line: refresh rarely there.
+        interval = 2.0 if sys.stderr.isatty() else 30.0
+        self.world_size = world_size
+        self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", mininterval=interval, leave=False,
+                        dynamic_ncols=True)
+
+    def step(self, step: int, sums: Any, seconds: float) -> None:
+        """``sums``: this rank's [loss sum, correct, count] so far in the epoch."""
+        self.bar.update(1)
+        if step % 10 == 0:
+            rate = sums[2].item() * self.world_size / seconds
+            self.bar.set_postfix(loss=f"{sums[0].item() / sums[2].item():.4f}", img_s=f"{rate:.0f}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def make_progress(info: DistInfo, enabled: bool, desc: str, total: int, initial: int) -> NullProgress:
+    """A progress bar of ``total`` steps starting at ``initial`` on global rank 0, a do-nothing one elsewhere."""
+    return Progress(desc, total, initial, info.world_size) if enabled and info.is_main else NullProgress()
 
 
 def make_tracker(cfg: MlflowConfig, info: DistInfo) -> NullTracker:

@@ -1,0 +1,87 @@
+"""Decisions that depend on the device: CPU cores, precision, memory format, autocast, pinned copies.
+
+Decided once per training from ``train.precision`` / ``train.channels_last`` and the device, and recorded
+with the run (``resolved_precision``, ``channels_last``), since they change the float rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ddpipe.config import ConfigError, TrainConfig
+
+
+def cpu_count() -> int:
+    """Cores this process may run on (affinity/cgroup aware where the OS says)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_supports_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 autocast is then ~2x faster than fp32 on CPU (BENCHMARKS.md)."""
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool((probe and probe()) or (amx and amx()))
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """fp32/bf16/fp16 for this device; ConfigError for a precision the device cannot run."""
+    if requested == "fp16" and device.type != "cuda":
+        raise ConfigError("train.precision = 'fp16' needs a CUDA GPU (GradScaler); on CPU use "
+                          "auto, fp32 or bf16")
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "bf16" if cpu_supports_bf16() else "fp32"
+
+
+def use_channels_last(setting: str, device: torch.device, precision: str) -> bool:
+    """``train.channels_last`` resolved: auto is on for CPU and for CUDA with bf16/fp16 (tensor cores)."""
+    if setting != "auto":
+        return setting == "on"
+    return device.type == "cpu" or precision in ("bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Compute:
+    """How a training computes on its device: precision, memory format, and host-to-device copies."""
+
+    device: torch.device
+    precision: str  # fp32 | bf16 | fp16, resolved
+    channels_last: bool
+
+    @classmethod
+    def resolve(cls, cfg: TrainConfig, device: torch.device) -> Compute:
+        precision = resolve_precision(cfg.precision, device)
+        if device.type == "cuda":  # determinism for a given seed and world size
+            torch.backends.cudnn.benchmark = False
+            torch.backends.cudnn.deterministic = True
+        return cls(device, precision, use_channels_last(cfg.channels_last, device, precision))
+
+    @property
+    def pin_memory(self) -> bool:
+        """Pinned host batches, copied with ``non_blocking=True``: CUDA only."""
+        return self.device.type == "cuda"
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16/fp16 autocast, or nothing for fp32."""
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        """Loss scaling for fp16 (a no-op object otherwise)."""
+        return torch.amp.GradScaler("cuda", enabled=self.precision == "fp16")
+
+    def place(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The module on this device, in this memory format."""
+        module = module.to(self.device)
+        return module.to(memory_format=torch.channels_last) if self.channels_last else module

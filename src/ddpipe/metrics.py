@@ -1,0 +1,116 @@
+"""What a training measures, counted exactly over the ranks: an epoch's running sums, the loss and
+accuracy over a whole split, and the numbers a finished run reports."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddpipe import distributed as dd
+from ddpipe.data import BatchTransform, InMemoryDataset, eval_loader, real_sample_mask
+from ddpipe.devices import Compute
+
+
+@dataclass
+class EpochStats:
+    """One epoch of the history (``paths.history``, MLflow metrics at step ``epoch``)."""
+
+    epoch: int
+    train_loss: float
+    train_accuracy: float
+    val_loss: float
+    val_accuracy: float
+    lr: float
+    images_per_s: float
+    epoch_seconds: float
+
+    def summary(self, num_epochs: int) -> str:
+        """The epoch's line in the training log."""
+        return (f"epoch {self.epoch}/{num_epochs}: train loss {self.train_loss:.4f} acc {self.train_accuracy:.4f} | "
+                f"val loss {self.val_loss:.4f} acc {self.val_accuracy:.4f} | {self.images_per_s:.0f} images/s, "
+                f"{self.epoch_seconds:.1f} s")
+
+
+class EpochMeter:
+    """An epoch's loss sum, correct predictions and samples on this rank, and its seconds, continuing
+    from what a mid-epoch checkpoint recorded of the steps before (``resumed``: sums over every rank
+    and seconds, float64[4]; :meth:`fresh` at an epoch's start)."""
+
+    def __init__(self, device: torch.device, resumed: torch.Tensor) -> None:
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        self.resumed, self.t0 = resumed, time.perf_counter() - resumed[3].item()
+
+    @staticmethod
+    def fresh() -> torch.Tensor:
+        return torch.zeros(4, dtype=torch.float64)
+
+    def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.sums += torch.stack([loss.detach().double() * len(labels),
+                                      (logits.argmax(1) == labels).sum().double(),
+                                      torch.tensor(float(len(labels)), dtype=torch.float64, device=self.sums.device)])
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def so_far(self, info: dd.DistInfo) -> torch.Tensor:
+        """Sums over every rank and seconds so far, for a mid-epoch checkpoint (a collective)."""
+        sums = dd.all_reduce_sum(self.sums.clone(), info) + self.resumed[:3].to(self.sums.device)
+        return torch.cat([sums.cpu(), torch.tensor([self.seconds()], dtype=torch.float64)])
+
+    def stats(self, epoch: int, info: dd.DistInfo, validate, lr: float) -> EpochStats:
+        """The epoch's numbers over every rank (collectives: the sums, then ``validate()``)."""
+        sums = dd.all_reduce_sum(self.sums, info)
+        sums += self.resumed[:3].to(sums.device)
+        seconds = self.seconds()
+        val_loss, val_acc = validate()
+        return EpochStats(
+            epoch=epoch + 1,
+            train_loss=(sums[0] / sums[2].clamp_min(1)).item(),
+            train_accuracy=(sums[1] / sums[2].clamp_min(1)).item(),
+            val_loss=val_loss, val_accuracy=val_acc, lr=lr,
+            images_per_s=sums[2].item() / seconds if seconds > 0 else 0.0,
+            epoch_seconds=seconds,
+        )
+
+
+@torch.no_grad()
+def evaluate_split(model: nn.Module, dataset: InMemoryDataset, transform: BatchTransform, info: dd.DistInfo,
+                   batch_size: int, compute: Compute) -> tuple[float, float]:
+    """(mean loss, accuracy) over ``dataset``, spread over the ranks; DistributedSampler's padding
+    repeats are excluded from every count."""
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=info.device)
+    seen = 0
+    for images, labels, idx in eval_loader(dataset, batch_size, info.rank, info.world_size, compute.pin_memory):
+        x = transform(images.to(info.device, non_blocking=True), idx, None)
+        labels = labels.to(info.device, non_blocking=True)
+        with compute.autocast():
+            logits = model(x).float()
+        real = real_sample_mask(seen, len(labels), info.rank, info.world_size, len(dataset)).to(info.device)
+        seen += len(labels)
+        loss = F.cross_entropy(logits, labels, reduction="none")
+        sums += torch.stack([(loss * real).sum().double(),
+                             ((logits.argmax(1) == labels) & real).sum().double(), real.sum().double()])
+    dd.all_reduce_sum(sums, info)
+    model.train(was_training)
+    return (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item()
+
+
+def final_metrics(history: list[dict[str, float]], best_epoch: int, best_val_accuracy: float,
+                  exported_epoch: int, world_size: int, effective_lr: float) -> dict[str, float]:
+    """What a finished training reports (``paths.train_metrics``, the DVC metrics of the train stage)."""
+    last = history[-1]
+    return {
+        "best_val_accuracy": best_val_accuracy, "best_epoch": best_epoch,
+        "exported_epoch": exported_epoch, "epochs": len(history),
+        "val_accuracy": last["val_accuracy"], "val_loss": last["val_loss"],
+        "train_loss": last["train_loss"], "train_accuracy": last["train_accuracy"],
+        "train_seconds": sum(h["epoch_seconds"] for h in history),
+        "world_size": world_size, "effective_lr": effective_lr,
+    }

@@ -1,0 +1,46 @@
+"""The optimizer and its learning rate: scaling with the world size, warm-up, cosine decay."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+
+from ddpipe.config import TrainConfig
+
+
+def lr_scale(rule: str, world_size: int) -> float:
+    """The learning-rate multiplier for ``world_size`` processes. sqrt: the gradient noise of a
+    W-times larger global batch shrinks by sqrt(W), so the lr may grow by as much."""
+    return {"sqrt": math.sqrt(world_size), "linear": float(world_size), "none": 1.0}[rule]
+
+
+def lr_lambda(cfg: TrainConfig, steps_per_epoch: int, num_epochs: int) -> Callable[[int], float]:
+    """Per-step multiplier of the peak lr: linear warm-up, then cosine decay (or constant)."""
+    total = max(1, steps_per_epoch * num_epochs)
+    warmup = min(total, round(cfg.warmup_epochs * steps_per_epoch))
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = (step - warmup) / max(1, total - warmup)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """AdamW (``momentum`` is its beta1) or SGD with momentum, at peak learning rate ``lr``."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,
+                               weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay)
+
+
+def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int,
+                    num_epochs: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The per-step schedule of :func:`lr_lambda`, stepped after every optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, steps_per_epoch, num_epochs))

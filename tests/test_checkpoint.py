@@ -1,0 +1,146 @@
+"""Checkpoints: atomic writes, safe loading, fallback past corrupt files, RNG states that resume exactly,
+and the Checkpointer every rank goes through."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddpipe import checkpoint as ckpt
+from ddpipe.distributed import DistInfo
+from tests.conftest import ROOT, subprocess_env
+
+
+def test_checkpoint_roundtrip_with_rng_state(tmp_path: Path) -> None:
+    torch.manual_seed(7)
+    state = {"model": {"w": torch.randn(3)}, "rng": ckpt.rng_state(), "history": [{"epoch": 1, "x": 0.5}]}
+    expected = torch.rand(4)
+    path = ckpt.save_checkpoint(tmp_path, "abcdef012345", ckpt.Position(1, 0), state, keep=2)
+    assert path.name == "ckpt-abcdef012345-e0001-s000000.pt"
+    pos, loaded = ckpt.load_latest(tmp_path, "abcdef012345")
+    assert pos == ckpt.Position(1, 0)
+    ckpt.set_rng_state(loaded["rng"])
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_keep_prunes_only_this_runs_checkpoints(tmp_path: Path) -> None:
+    other = ckpt.save_checkpoint(tmp_path, "111111111111", ckpt.Position(1, 0), {"x": torch.ones(1)}, keep=1)
+    for e in range(1, 5):
+        ckpt.save_checkpoint(tmp_path, "222222222222", ckpt.Position(e, 0), {"x": torch.ones(1)}, keep=2)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [other.name, "ckpt-222222222222-e0003-s000000.pt", "ckpt-222222222222-e0004-s000000.pt"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path, damage: str) -> None:
+    fp = "abcdef012345"
+    ckpt.save_checkpoint(tmp_path, fp, ckpt.Position(1, 0), {"v": torch.tensor([1.0])}, keep=3)
+    newest = ckpt.save_checkpoint(tmp_path, fp, ckpt.Position(2, 0), {"v": torch.tensor([2.0])}, keep=3)
+    data = newest.read_bytes()
+    newest.write_bytes({"truncate": data[: len(data) // 2], "garbage": os.urandom(len(data)), "empty": b""}[damage])
+    pos, state = ckpt.load_latest(tmp_path, fp)
+    assert pos == ckpt.Position(1, 0) and state["v"].item() == 1.0
+
+
+def test_only_corrupt_checkpoints_fail_clearly(tmp_path: Path) -> None:
+    fp = "abcdef012345"
+    path = ckpt.checkpoint_path(tmp_path, fp, ckpt.Position(1, 0))
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(ckpt.CheckpointError, match="none of this run's 1 checkpoint"):
+        ckpt.load_latest(tmp_path, fp)
+
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_checkpoint_with_pickle_payload_is_refused_and_never_runs(tmp_path: Path) -> None:
+    fp = "abcdef012345"
+    marker = tmp_path / "payload-ran"
+    good = ckpt.save_checkpoint(tmp_path, fp, ckpt.Position(1, 0), {"v": torch.tensor([1.0])}, keep=3)
+    evil = ckpt.checkpoint_path(tmp_path, fp, ckpt.Position(2, 0))
+    torch.save({"fingerprint": fp, "x": _Payload(marker)}, evil, pickle_module=pickle)
+    pos, _ = ckpt.load_latest(tmp_path, fp)
+    assert pos == ckpt.Position(1, 0) and good.exists()
+    assert not marker.exists()
+
+
+def test_killed_checkpoint_write_leaves_previous_intact(tmp_path: Path) -> None:
+    """A write that dies midway leaves only a hidden temp file; the final path keeps the old bytes."""
+    fp = "abcdef012345"
+    path = ckpt.save_checkpoint(tmp_path, fp, ckpt.Position(1, 0), {"v": torch.tensor([1.0])}, keep=3)
+    before = path.read_bytes()
+
+    class Boom(Exception):
+        pass
+
+    def exploding_save(obj: object, f) -> None:
+        f.write(b"partial bytes")
+        raise Boom
+
+    original = torch.save
+    torch.save = exploding_save
+    try:
+        with pytest.raises(Boom):
+            ckpt.save_checkpoint(tmp_path, fp, ckpt.Position(1, 0), {"v": torch.tensor([9.0])}, keep=3)
+    finally:
+        torch.save = original
+    assert path.read_bytes() == before
+    assert ckpt.load_latest(tmp_path, fp)[1]["v"].item() == 1.0
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_path: Path) -> None:
+    """A real SIGKILL while rank 0 writes a (large) checkpoint: the final path never holds a partial
+    file, the previous checkpoint still loads, and the leftover temp file is ignored."""
+    fp = "abcdef012345"
+    previous = ckpt.save_checkpoint(tmp_path, fp, ckpt.Position(1, 0), {"v": torch.tensor([1.0])}, keep=3)
+    writer = subprocess.Popen([
+        "python", "-c",
+        "import sys, torch; from pathlib import Path; from ddpipe import checkpoint as c; "
+        "c.save_checkpoint(Path(sys.argv[1]), sys.argv[2], c.Position(2, 0), "
+        "{'v': torch.zeros(400_000_000, dtype=torch.uint8)}, keep=3)", str(tmp_path), fp],
+        cwd=ROOT, env=subprocess_env())
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(tmp_path.glob(".ckpt-*.tmp")):
+        time.sleep(0.01)
+    assert list(tmp_path.glob(".ckpt-*.tmp")), "the writer never started its temp file"
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.wait(timeout=60)
+    assert not ckpt.checkpoint_path(tmp_path, fp, ckpt.Position(2, 0)).exists()
+    pos, state = ckpt.load_latest(tmp_path, fp)
+    assert pos == ckpt.Position(1, 0) and state["v"].item() == 1.0 and previous.exists()
+
+
+def test_checkpointer_restores_every_part_and_the_rng(tmp_path: Path) -> None:
+    """What one Checkpointer saved, another (a restarted run) loads back into fresh objects."""
+    torch.manual_seed(3)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(8, 4)).sum().backward()
+    optimizer.step()
+    saver = ckpt.Checkpointer(tmp_path, "abcdef012345", keep=2, info=DistInfo())
+    saver.save(ckpt.Position(1, 3), {"model": model, "optimizer": optimizer}, history=[{"epoch": 1}])
+    expected = torch.rand(3)
+
+    fresh_model = torch.nn.Linear(4, 2)
+    fresh_optimizer = torch.optim.AdamW(fresh_model.parameters(), lr=0.1)
+    pos, state = ckpt.Checkpointer(tmp_path, "abcdef012345", 2, DistInfo()).restore(
+        {"model": fresh_model, "optimizer": fresh_optimizer})
+    assert pos == ckpt.Position(1, 3) and state["history"] == [{"epoch": 1}]
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh_model.state_dict().values()))
+    assert fresh_optimizer.state_dict()["state"][0]["step"] == 1
+    assert torch.equal(torch.rand(3), expected)  # the RNG continues where the saved run left it
+    assert ckpt.Checkpointer(tmp_path, "000000000000", 2, DistInfo()).restore({"model": fresh_model}) is None

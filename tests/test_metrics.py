@@ -1,0 +1,38 @@
+"""What a training measures: exact validation over ranks, the epoch sums, the final metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddpipe.data import BatchTransform, InMemoryDataset
+from ddpipe.devices import Compute
+from ddpipe.distributed import DistInfo
+from ddpipe.metrics import evaluate_split
+from tests.conftest import spawn
+
+
+def _eval_rank(rank: int, world: int, prepared: Path, out: Path) -> None:
+    torch.manual_seed(0)
+    from ddpipe.models import ResNetSmall
+
+    model = ResNetSmall(1, 10, 8).eval()
+    ds = InMemoryDataset.load(prepared, "val")
+    ds = InMemoryDataset(ds.images[:143], ds.labels[:143])  # 143: not divisible by 2 or 3
+    info = DistInfo(distributed=True, rank=rank, local_rank=rank, world_size=world, local_world_size=world,
+                    backend="gloo")
+    t = BatchTransform([0.3], [0.3], 0, False, 0, info.device, False)
+    loss, acc = evaluate_split(model, ds, t, info, 16, Compute(info.device, "fp32", channels_last=False))
+    if rank == 0:
+        torch.save({"loss": loss, "acc": acc}, out)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_validation_counts_each_sample_once_at_any_world_size(prepared: Path, world: int, tmp_path: Path) -> None:
+    spawn(_eval_rank, 1, prepared, tmp_path / "one.pt")
+    spawn(_eval_rank, world, prepared, tmp_path / "many.pt")
+    one, many = (torch.load(tmp_path / f, weights_only=True) for f in ("one.pt", "many.pt"))
+    assert one["acc"] == pytest.approx(many["acc"], abs=1e-12)
+    assert one["loss"] == pytest.approx(many["loss"], rel=1e-6)
