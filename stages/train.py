@@ -1,8 +1,8 @@
 """DVC stage `train`: DistributedDataParallel training, one process per rank.
 
     python -m ddpipe.launch [key=value ...]            # what dvc.yaml runs: checks, then torchrun this script
+    python -m ddpipe.launch --print [key=value ...]    # the checks and the command only
     python stages/train.py [key=value ...]             # one plain process
-    python stages/train.py --check [key=value ...]     # check params and data, print processes per node, exit
 
 Under torchrun each worker checks again (for a torchrun started by hand) and trains its rank.
 """
@@ -15,17 +15,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from ddpipe.cli import load_or_exit
 from ddpipe.config import ConfigError
 from ddpipe.data import PreparedDataError
-from ddpipe.launch import checked_nproc, preflight
+from ddpipe.launch import preflight
 
 
 @record  # under torchrun, the failing rank's traceback reaches the launcher's summary
 def main() -> None:
     args = sys.argv[1:]
-    cfg = load_or_exit([a for a in args if a != "--check"], "stages/train.py")
+    cfg = load_or_exit(args, "stages/train.py")
     try:
-        if "--check" in args:
-            print(checked_nproc(cfg))
-            return
         preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except (ConfigError, PreparedDataError) as exc:
         print(f"error: {exc}", file=sys.stderr)

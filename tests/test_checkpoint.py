@@ -144,3 +144,17 @@ def test_checkpointer_restores_every_part_and_the_rng(tmp_path: Path) -> None:
     assert fresh_optimizer.state_dict()["state"][0]["step"] == 1
     assert torch.equal(torch.rand(3), expected)  # the RNG continues where the saved run left it
     assert ckpt.Checkpointer(tmp_path, "000000000000", 2, DistInfo()).restore({"model": fresh_model}) is None
+
+
+def test_the_fingerprint_of_a_configuration_stays_what_it_was() -> None:
+    """A run resumes only from checkpoints of its own fingerprint: if a refactor changed how the config
+    and the data are hashed, every existing run would silently start fresh. The literal is what
+    ddpipe has computed for this input since checkpoints were named after fingerprints."""
+    from dataclasses import asdict
+
+    from ddpipe.config import Config, trajectory
+    from ddpipe.data import Prepared
+
+    data = Prepared(dataset="fashion_mnist", classes=["a", "b"], num_channels=1, image_size=[28, 28], mean=[0.25],
+                    std=[0.5], sizes={"train": 100, "val": 10, "test": 10})
+    assert ckpt.fingerprint({**trajectory(Config()), "world_size": 2, "data": asdict(data)}) == "6abdf9a636da"

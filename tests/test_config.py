@@ -139,6 +139,12 @@ def test_yaml_quirks_keep_their_meaning(tmp_path: Path) -> None:
     assert cfg.data.source_dir is None
 
 
+@pytest.mark.parametrize("override", ["train.hflip=1", "train.hflip=2", "distributed.exact=0"])
+def test_a_switch_takes_only_true_or_false(override: str) -> None:
+    with pytest.raises(ConfigError, match=f"command line: {override.split('=')[0]} = .* expected true or false"):
+        load_config([override], params_file=None)
+
+
 def test_elastic_nnodes_stays_min_colon_max_in_the_file_and_on_the_command_line(tmp_path: Path) -> None:
     """YAML 1.1 would read an unquoted 1:4 as the base-60 integer 64 (what `dvc exp run -S` writes)."""
     params = tmp_path / "params.yaml"
@@ -161,7 +167,8 @@ def test_a_later_layer_may_correct_an_earlier_one(tmp_path: Path) -> None:
 @pytest.mark.parametrize("yaml_text, message", [
     ("data: 5\n", "'data' is a section; expected a mapping, got 5"),
     ("data:\n", "'data' is a section; expected a mapping, got None"),
-    ("train:\n  base_lr:\n    value: 0.1\n", "'train.base_lr' is a value, not a section; expected a number > 0.0"),
+    ("train:\n  base_lr:\n    value: 0.1\n",
+     "'train.base_lr' is a value, not a section: got train.base_lr.value = 0.1; expected a number > 0.0"),
 ])
 def test_section_and_value_mix_ups_are_named(tmp_path: Path, yaml_text: str, message: str) -> None:
     params = tmp_path / "params.yaml"

@@ -17,11 +17,12 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 
-def _world() -> int:
+def world_size() -> int:
+    """Ranks in the default process group (1 without one)."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _global_sum(t: torch.Tensor, world: int) -> torch.Tensor:
+def global_sum(t: torch.Tensor, world: int) -> torch.Tensor:
     """Sum of an fp64 tensor over the ranks."""
     if world > 1:
         dist.all_reduce(t)
@@ -175,7 +176,7 @@ class _ExactBatchNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, eps, world):
         xf, c = x.float(), x.shape[1]
         parts = torch.stack([_per_sample_sums(xf), _per_sample_sums(xf * xf)]).double().sum(1).flatten()
-        sums = _global_sum(torch.cat([parts, parts.new_full((1,), x.numel() // c)]), world)
+        sums = global_sum(torch.cat([parts, parts.new_full((1,), x.numel() // c)]), world)
         count = sums[2 * c]
         mean = sums[:c] / count
         var = (sums[c:2 * c] / count - mean * mean).clamp_min(0.0)
@@ -191,7 +192,7 @@ class _ExactBatchNormFunction(torch.autograd.Function):
         x, weight, mean, invstd, count = ctx.saved_tensors
         dyf, xf = dy.float(), x.float()
         parts = torch.stack([_per_sample_sums(dyf), _per_sample_sums(dyf * xf)]).double().sum(1).flatten()
-        sum_dy, sum_dy_x = _global_sum(parts, ctx.world).view(2, -1)
+        sum_dy, sum_dy_x = global_sum(parts, ctx.world).view(2, -1)
         sum_dy_xhat = (sum_dy_x - mean * sum_dy) * invstd
         dx = batchnorm_input_grad(dyf, xf, weight.double(), mean, invstd, sum_dy / count, sum_dy_xhat / count)
         return (dx.to(x.dtype), (sum_dy_xhat / ctx.world).to(weight.dtype), (sum_dy / ctx.world).to(weight.dtype),
@@ -207,7 +208,7 @@ class ExactBatchNorm(CPUSyncBatchNorm):
         if not self.training:
             return _BatchNorm.forward(self, x)
         with torch.autocast(x.device.type, enabled=False):
-            y, mean, var, count = _ExactBatchNormFunction.apply(x, self.weight, self.bias, self.eps, _world())
+            y, mean, var, count = _ExactBatchNormFunction.apply(x, self.weight, self.bias, self.eps, world_size())
         if self.track_running_stats:
             self._update_running_stats(mean.detach(), var.detach(), float(count.detach()))
         return y

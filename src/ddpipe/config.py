@@ -10,6 +10,8 @@ shapes the training trajectory. That one table drives the checks, the printed sc
 (``python -m ddpipe.config --schema``) and :func:`trajectory`.
 """
 
+# No ``from __future__ import annotations`` here: the schema's field types must stay real types at
+# runtime (OmegaConf.structured reads them, and so do the checks and the printed schema).
 import dataclasses
 import difflib
 import math
@@ -350,6 +352,11 @@ def _set(cfg: DictConfig, key: str, value: Any, source: str) -> None:
         value = "on" if value else "off"  # YAML 1.1 reads a bare on/off as a boolean
     if isinstance(value, str) and value.strip().lower() in ("null", "~"):
         value = None  # a quoted null is null too, as it always was here (OmegaConf keeps the string)
+    field_type = _FIELDS[key].type if key in _FIELDS else None
+    if field_type in (bool, Optional[bool]) and not (value is None or isinstance(value, bool) or (
+            isinstance(value, str) and value.strip().lower() in ("true", "false"))):
+        # OmegaConf would read 1, 2, yes, y, on as true: a typo must not pass as a switch turned on
+        raise _not_accepted(key, value, _accepted(_FIELDS[key]), source)
     try:
         OmegaConf.update(cfg, key, value, merge=True)
     except (ConfigKeyError, ConfigAttributeError) as exc:
@@ -359,8 +366,8 @@ def _set(cfg: DictConfig, key: str, value: Any, source: str) -> None:
         if _is_section(refused):
             raise ConfigError(f"{source}: '{refused}' is a section; expected a mapping, got {value!r}") from None
         if refused != key:  # key runs on past a value: a mapping was given where a value belongs
-            raise ConfigError(f"{source}: '{refused}' is a value, not a section; expected "
-                              f"{_accepted(_FIELDS[refused])}") from None
+            raise ConfigError(f"{source}: '{refused}' is a value, not a section: got {key} = {value!r}; "
+                              f"expected {_accepted(_FIELDS[refused])}") from None
         raise _not_accepted(key, value, _accepted(_FIELDS[key]), source) from None
 
 

@@ -136,7 +136,11 @@ def load_meta(prepared_dir: str | Path) -> Prepared:
     path = Path(prepared_dir) / "meta.json"
     if not path.is_file():
         raise PreparedDataError(f"{path}: missing; run the prepare stage first (dvc repro prepare)")
-    return Prepared(**json.loads(path.read_text()))
+    try:
+        return Prepared(**json.loads(path.read_text()))
+    except (TypeError, ValueError) as exc:  # not JSON, or other keys than this version writes
+        raise PreparedDataError(f"{path}: not this version's prepared data ({exc}); run the prepare stage again "
+                                "(dvc repro --force prepare)") from None
 
 
 class InMemoryDataset(Dataset):

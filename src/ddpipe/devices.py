@@ -49,6 +49,13 @@ def use_channels_last(setting: str, device: torch.device, precision: str) -> boo
     return device.type == "cpu" or precision in ("bf16", "fp16")
 
 
+def deterministic_kernels(device: torch.device) -> None:
+    """cuDNN picks fixed, deterministic algorithms: the same result for a given seed and world size."""
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+
+
 @dataclass(frozen=True)
 class Compute:
     """How a training computes on its device: precision, memory format, and host-to-device copies."""
@@ -60,9 +67,6 @@ class Compute:
     @classmethod
     def resolve(cls, cfg: TrainConfig, device: torch.device) -> Compute:
         precision = resolve_precision(cfg.precision, device)
-        if device.type == "cuda":  # determinism for a given seed and world size
-            torch.backends.cudnn.benchmark = False
-            torch.backends.cudnn.deterministic = True
         return cls(device, precision, use_channels_last(cfg.channels_last, device, precision))
 
     @property

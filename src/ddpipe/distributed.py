@@ -78,9 +78,8 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
         device = torch.device("cpu")
     backend = None
     if under_launcher:
+        # launch.preflight refused nccl without CUDA before any worker started
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-        if backend == "nccl" and device.type != "cuda":
-            raise ValueError("distributed.backend = 'nccl' needs CUDA GPUs; accepted here: auto or gloo")
         dist.init_process_group(
             backend=backend, store=_attempt_store(rank, world_size, cfg.timeout_s), rank=rank,
             world_size=world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s),

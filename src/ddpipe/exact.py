@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ddpipe.batchnorm import ExactBatchNorm, _global_sum, _world
+from ddpipe.batchnorm import ExactBatchNorm, global_sum, world_size
 
 
 def _param_grads(grad_w: torch.Tensor, grad_b: torch.Tensor | None, world: int,
@@ -39,7 +39,7 @@ def _param_grads(grad_w: torch.Tensor, grad_b: torch.Tensor | None, world: int,
     """Local fp64 weight (and bias) gradients -> global sum / world size, rounded once to ``dtype``;
     one all-reduce for both."""
     flat = torch.cat([grad_w.flatten()] + ([grad_b] if grad_b is not None else []))
-    flat = _global_sum(flat, world) / world
+    flat = global_sum(flat, world) / world
     n = grad_w.numel()
     return flat[:n].view(grad_w.shape).to(dtype), (flat[n:].to(dtype) if grad_b is not None else None)
 
@@ -94,7 +94,7 @@ class _ExactLayer(nn.Module):
             return super().forward(x)
         dtype = _compute_dtype(x, self.weight)
         with torch.autocast(x.device.type, enabled=False):
-            return self._exact(x, dtype, _world())
+            return self._exact(x, dtype, world_size())
 
 
 class ExactConv2d(_ExactLayer, nn.Conv2d):

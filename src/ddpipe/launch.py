@@ -1,4 +1,4 @@
-"""Build and run the torchrun command for this node from params.yaml: the multi-node entry point.
+"""How every training starts: check the params, this node and the data, then build and run torchrun.
 
     python -m ddpipe.launch [key=value ...]            # run it
     python -m ddpipe.launch --print [key=value ...]    # show the command only
@@ -48,8 +48,14 @@ def torchrun_command(d: DistributedConfig, nproc: int, script_args: Sequence[str
     # torchrun as a module of this interpreter: no PATH lookup, never another Python's torchrun
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--max-restarts={d.max_restarts}"]
-    cmd += [flag for flag in (f"--signals-to-handle={','.join(s.name for s in FORWARDED)}",
-                              f"--shutdown-timeout={d.shutdown_timeout_s}") if _torchrun_accepts(flag)]
+    for flag in (f"--signals-to-handle={','.join(s.name for s in FORWARDED)}",
+                 f"--shutdown-timeout={d.shutdown_timeout_s}"):
+        if _torchrun_accepts(flag):
+            cmd.append(flag)
+        else:
+            print(f"warning: torchrun of torch {torch.__version__} has no {flag.split('=')[0]}: "
+                  + ("SIGUSR1 kills the job instead of stopping it at a checkpointed step" if "signals" in flag
+                     else "after a stop it gives the workers its own default time"), file=sys.stderr, flush=True)
     if d.nnodes == "1":
         cmd.append("--standalone")  # a free port: parallel experiments never collide
     else:
@@ -61,8 +67,7 @@ def torchrun_command(d: DistributedConfig, nproc: int, script_args: Sequence[str
 @functools.cache
 def _torchrun_accepts(flag: str) -> bool:
     """Whether this torch's torchrun has ``flag``: --signals-to-handle and --shutdown-timeout are newer than
-    some supported torch versions (torch 2.11's torchrun has no --shutdown-timeout; it then waits its own
-    default before killing the workers after a stop)."""
+    some supported torch versions (torch 2.11's torchrun has no --shutdown-timeout)."""
     from torch.distributed.run import get_args_parser
 
     return flag.split("=")[0] in get_args_parser()._option_string_actions
@@ -104,9 +109,9 @@ def preflight(cfg: Config, world_size: int) -> None:
 
 def checked_nproc(cfg: Config) -> int:
     """This node's processes, after every check of :func:`preflight` for the job they make up (an
-    elastic ``MIN:MAX`` job is checked at its minimum size)."""
+    elastic ``MIN:MAX`` job at its largest: the largest global batch)."""
     nproc = resolve_nproc(cfg.distributed)
-    preflight(cfg, nproc * int(cfg.distributed.nnodes.split(":")[0]))
+    preflight(cfg, nproc * int(cfg.distributed.nnodes.split(":")[-1]))
     return nproc
 
 

@@ -28,6 +28,15 @@ class EpochStats:
     images_per_s: float
     epoch_seconds: float
 
+    @classmethod
+    def from_sums(cls, epoch: int, sums: torch.Tensor, seconds: float, val_loss: float, val_accuracy: float,
+                  lr: float) -> EpochStats:
+        """Epoch ``epoch`` (0-based) from its training sums over every rank [loss sum, correct, count]."""
+        return cls(epoch=epoch + 1, train_loss=(sums[0] / sums[2].clamp_min(1)).item(),
+                   train_accuracy=(sums[1] / sums[2].clamp_min(1)).item(), val_loss=val_loss,
+                   val_accuracy=val_accuracy, lr=lr, images_per_s=sums[2].item() / seconds if seconds > 0 else 0.0,
+                   epoch_seconds=seconds)
+
     def summary(self, num_epochs: int) -> str:
         """The epoch's line in the training log."""
         return (f"epoch {self.epoch}/{num_epochs}: train loss {self.train_loss:.4f} acc {self.train_accuracy:.4f} | "
@@ -62,20 +71,11 @@ class EpochMeter:
         sums = dd.all_reduce_sum(self.sums.clone(), info) + self.resumed[:3].to(self.sums.device)
         return torch.cat([sums.cpu(), torch.tensor([self.seconds()], dtype=torch.float64)])
 
-    def stats(self, epoch: int, info: dd.DistInfo, validate, lr: float) -> EpochStats:
-        """The epoch's numbers over every rank (collectives: the sums, then ``validate()``)."""
+    def total(self, info: dd.DistInfo) -> tuple[torch.Tensor, float]:
+        """The epoch's sums over every rank (a collective) and its seconds."""
         sums = dd.all_reduce_sum(self.sums, info)
         sums += self.resumed[:3].to(sums.device)
-        seconds = self.seconds()
-        val_loss, val_acc = validate()
-        return EpochStats(
-            epoch=epoch + 1,
-            train_loss=(sums[0] / sums[2].clamp_min(1)).item(),
-            train_accuracy=(sums[1] / sums[2].clamp_min(1)).item(),
-            val_loss=val_loss, val_accuracy=val_acc, lr=lr,
-            images_per_s=sums[2].item() / seconds if seconds > 0 else 0.0,
-            epoch_seconds=seconds,
-        )
+        return sums, self.seconds()
 
 
 @torch.no_grad()

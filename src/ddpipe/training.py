@@ -22,8 +22,16 @@ from ddpipe import distributed as dd
 from ddpipe.batchnorm import convert_sync_batchnorm
 from ddpipe.checkpoint import Checkpointer, Position, fingerprint
 from ddpipe.config import Config, trajectory
-from ddpipe.data import BatchTransform, InMemoryDataset, Prepared, TrainShards, check_global_batch, load_meta
-from ddpipe.devices import Compute
+from ddpipe.data import (
+    BatchTransform,
+    InMemoryDataset,
+    Prepared,
+    TrainShards,
+    check_global_batch,
+    load_meta,
+    steps_per_epoch,
+)
+from ddpipe.devices import Compute, deterministic_kernels
 from ddpipe.exact import clip_grad_norm_ as exact_clip_grad_norm_
 from ddpipe.exact import make_exact
 from ddpipe.metrics import EpochMeter, EpochStats, evaluate_split, final_metrics
@@ -41,19 +49,23 @@ class Trainer:
         self.cfg, self.info, tc = cfg, info, cfg.train
         self.stops = stops or StopRequests(info, cfg.distributed.timeout_s)  # asked at every step
         self.compute = Compute.resolve(tc, info.device)
+        deterministic_kernels(info.device)
         self.device = info.device
         self.meta = load_meta(cfg.paths.prepared)
         self.train_set = InMemoryDataset.load(cfg.paths.prepared, "train")
         self.val_set = InMemoryDataset.load(cfg.paths.prepared, "val")
         self.transform = BatchTransform(self.meta.mean, self.meta.std, tc.random_crop_padding, tc.hflip, cfg.seed,
                                         self.device, self.compute.channels_last)
-        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+        # Identical initial weights on every rank. Nothing in training draws from the global RNG after
+        # this (augmentation is a hash of seed, epoch and index; the samplers seed their own generators):
+        # a layer that did (Dropout) would draw the same numbers on every rank.
+        torch.manual_seed(cfg.seed)
         self.module = training_module(cfg, self.meta, info, self.compute)
         self.model = wrap(self.module, info, tc.compile)
         self.shards = TrainShards(self.train_set, tc.batch_size_per_rank, info.rank, info.world_size, cfg.seed,
                                   self.compute.pin_memory)
         check_global_batch(len(self.train_set), tc, info.world_size)
-        self.steps_per_epoch = len(self.shards) // tc.grad_accum_steps
+        self.steps_per_epoch = steps_per_epoch(len(self.train_set), tc, info.world_size)
         self.effective_lr = tc.base_lr * lr_scale(tc.lr_scaling, info.world_size)
         self.optimizer = build_optimizer(tc, self.module.parameters(), self.effective_lr)
         self.scheduler = build_scheduler(tc, self.optimizer, self.steps_per_epoch, cfg.num_epochs)
@@ -105,12 +117,14 @@ class Trainer:
                             self.steps_per_epoch, start_step)
         self.model.train()
         with contextlib.closing(bar):
-            for step, micro_batches in enumerate(_in_steps(loader, accum), start=start_step + 1):
+            for step, micro_batches in enumerate(in_steps(loader, accum), start=start_step + 1):
                 self.train_step(micro_batches, epoch, meter)
                 bar.step(step, meter.sums, meter.seconds())
                 if step < self.steps_per_epoch:  # the epoch's end checkpoints (and stops) in fit()
                     self._between_steps(epoch, step, meter)
-        stats = meter.stats(epoch, self.info, self.validate, self.optimizer.param_groups[0]["lr"])
+        sums, seconds = meter.total(self.info)
+        val_loss, val_acc = self.validate()
+        stats = EpochStats.from_sums(epoch, sums, seconds, val_loss, val_acc, self.optimizer.param_groups[0]["lr"])
         dd.print0(stats.summary(self.cfg.num_epochs), info=self.info)
         return stats
 
@@ -214,7 +228,7 @@ class Trainer:
         return metrics
 
 
-def _in_steps(loader: Iterable[tuple], accum: int) -> Iterator[list[tuple]]:
+def in_steps(loader: Iterable[tuple], accum: int) -> Iterator[list[tuple]]:
     """The loader's micro-batches, ``accum`` at a time: one list per optimizer step."""
     batches = iter(loader)
     while step := list(itertools.islice(batches, accum)):

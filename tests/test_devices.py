@@ -1,0 +1,43 @@
+"""Device decisions: the precision `auto` resolves to, channels_last, autocast, and what CPU can't run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddpipe.config import ConfigError, TrainConfig
+from ddpipe.devices import Compute, cpu_count, cpu_supports_bf16, resolve_precision, use_channels_last
+
+CPU = torch.device("cpu")
+
+
+def test_auto_precision_on_cpu_follows_the_cpu() -> None:
+    assert resolve_precision("auto", CPU) == ("bf16" if cpu_supports_bf16() else "fp32")
+    assert resolve_precision("fp32", CPU) == "fp32" and resolve_precision("bf16", CPU) == "bf16"
+
+
+def test_fp16_needs_a_gpu() -> None:
+    with pytest.raises(ConfigError, match="train.precision = 'fp16' needs a CUDA GPU"):
+        resolve_precision("fp16", CPU)
+
+
+@pytest.mark.parametrize("setting, device, precision, expected", [
+    ("auto", "cpu", "fp32", True), ("auto", "cuda", "fp32", False), ("auto", "cuda", "bf16", True),
+    ("on", "cuda", "fp32", True), ("off", "cpu", "bf16", False),
+])
+def test_channels_last(setting: str, device: str, precision: str, expected: bool) -> None:
+    assert use_channels_last(setting, torch.device(device), precision) is expected
+
+
+def test_compute_on_cpu_autocasts_only_below_fp32() -> None:
+    fp32 = Compute.resolve(TrainConfig(precision="fp32", channels_last="off"), CPU)
+    assert (fp32.precision, fp32.channels_last, fp32.pin_memory) == ("fp32", False, False)
+    with fp32.autocast():
+        assert not torch.is_autocast_enabled("cpu")
+    bf16 = Compute(CPU, "bf16", channels_last=True)
+    with bf16.autocast():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    assert not bf16.grad_scaler().is_enabled()
+    module = bf16.place(torch.nn.Conv2d(1, 4, 3))
+    assert module.weight.is_contiguous(memory_format=torch.channels_last)
+    assert cpu_count() >= 1
