@@ -9,7 +9,7 @@ BIN    := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
-.PHONY: setup data-package repro test test-fast test-slurm lint bench clean-runs ui-deps slurm-deps
+.PHONY: setup data-package repro test test-fast test-slurm test-gpu lint bench clean-runs ui-deps slurm-deps
 
 setup: $(VENV)/.installed data-package
 
@@ -54,6 +54,12 @@ test: setup ui-deps slurm-deps
 # The SLURM tests alone: a two-node cluster on this host runs, stops and requeues train.sbatch jobs.
 test-slurm: setup slurm-deps
 	python -m pytest -k slurm
+
+# The CUDA/NCCL paths (tests/test_gpu.py: autocast + GradScaler, channels_last, augmentation and pinned copies
+# on the GPU, torch's SyncBatchNorm, torch.compile, GPU -> CPU model loading, the launcher under NCCL): run on
+# a machine with a GPU; without one they skip.
+test-gpu: setup
+	python -m pytest -m gpu -v
 
 test-fast: setup
 	python -m pytest -m "not slow"

@@ -1,0 +1,166 @@
+"""The CUDA and NCCL paths, on a GPU: autocast with the GradScaler, channels_last, augmentation and
+pinned non-blocking copies on the device, torch's SyncBatchNorm, torch.compile, a model saved on the
+GPU loaded on the CPU, a short training, and the launcher under torchrun with NCCL (a stop, then the
+resume). Skipped cleanly without a GPU; ``make test-gpu`` runs them. They need torch and the small
+pure-Python packages ddpipe imports (omegaconf, PyYAML, tqdm), not MLflow: without it the tracker
+warns and training goes on."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ddpipe.batchnorm import convert_sync_batchnorm
+from ddpipe.config import TrainConfig
+from ddpipe.data import BatchTransform, InMemoryDataset, TrainShards, load_meta
+from ddpipe.devices import Compute
+from ddpipe.models import ResNetSmall, load_model
+from ddpipe.preemption import EXIT_PREEMPTED
+from tests.conftest import FIRST_EPOCH, ROOT, args_for, subprocess_env
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CUDA = torch.device("cuda", 0)
+NO_MLFLOW = ("mlflow.log_model=false", "mlflow.log_system_metrics=false")
+
+
+def _cfg(tiny_cfg, prepared: Path, *extra: str):
+    return tiny_cfg(f"paths.prepared={prepared}", "train.hflip=false", *NO_MLFLOW, *extra)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_a_short_training_on_one_gpu(tiny_cfg, prepared: Path, precision: str) -> None:
+    """Two epochs in-process on the GPU learn the generated bars; fp16 runs through the GradScaler,
+    whose state travels in the checkpoint."""
+    from ddpipe.training import train
+
+    cfg = _cfg(tiny_cfg, prepared, f"train.precision={precision}")
+    metrics = train(cfg)
+    assert metrics["val_accuracy"] > 0.5, metrics
+    weights = torch.load(cfg.paths.model, map_location="cpu", weights_only=True)["state_dict"]
+    assert all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point())
+    newest = sorted(Path(cfg.paths.checkpoints).glob("ckpt-*.pt"))[-1]
+    scaler = torch.load(newest, map_location="cpu", weights_only=True)["scaler"]
+    assert ("scale" in scaler) == (precision == "fp16")
+
+
+def test_a_model_trained_on_the_gpu_loads_on_the_cpu_and_answers_the_same(tiny_cfg, prepared: Path) -> None:
+    from ddpipe.training import train
+
+    cfg = _cfg(tiny_cfg, prepared, "num_epochs=1", "train.precision=fp32")
+    train(cfg)
+    cpu_model, payload = load_model(cfg.paths.model)
+    assert all(t.device.type == "cpu" for t in cpu_model.state_dict().values())
+    gpu_model = load_model(cfg.paths.model)[0].to(CUDA)
+    val = InMemoryDataset.load(prepared, "val")
+    images, idx = val.images[:64], torch.arange(64)
+    transform = BatchTransform(payload["mean"], payload["std"], 0, False, 0, torch.device("cpu"), False)
+    with torch.no_grad():
+        on_cpu = cpu_model(transform(images, idx, None))
+        on_gpu = gpu_model(transform(images, idx, None).to(CUDA)).cpu()
+    torch.testing.assert_close(on_gpu, on_cpu, rtol=1e-3, atol=1e-3)
+    assert torch.equal(on_gpu.argmax(1), on_cpu.argmax(1))
+
+
+def test_augmentation_on_the_gpu_is_the_cpu_augmentation(prepared: Path) -> None:
+    """Crops and flips are keyed by integer hashes that CUDA and the CPU compute alike: the same
+    pixels on either device, so a run's augmentation does not depend on where it runs."""
+    meta = load_meta(prepared)
+    train_set = InMemoryDataset.load(prepared, "train")
+    images, idx = train_set.images[:128], torch.arange(128)
+    cpu = BatchTransform(meta.mean, meta.std, 2, True, 42, torch.device("cpu"), True)
+    gpu = BatchTransform(meta.mean, meta.std, 2, True, 42, CUDA, True)
+    assert torch.equal(gpu._augment(images.to(CUDA), idx.to(CUDA), 3).cpu(), cpu._augment(images, idx, 3))
+    out = gpu(images.to(CUDA), idx, 3)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(out.cpu(), cpu(images, idx, 3), rtol=0, atol=1e-6)
+
+
+def test_pinned_batches_reach_the_gpu_with_non_blocking_copies(prepared: Path) -> None:
+    shards = TrainShards(InMemoryDataset.load(prepared, "train"), 32, 0, 1, 0, pin_memory=True)
+    images, labels, _ = next(iter(shards.loader(0)))
+    assert images.is_pinned() and labels.is_pinned()
+    on_gpu = images.to(CUDA, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(on_gpu.cpu(), images)
+
+
+def test_channels_last_and_bf16_on_the_gpu_match_the_plain_layout() -> None:
+    torch.manual_seed(0)
+    plain = ResNetSmall(1, 10, 8)
+    fast = Compute.resolve(TrainConfig(precision="bf16"), CUDA)
+    assert fast.channels_last and fast.pin_memory  # auto: channels_last with bf16 on CUDA
+    model = fast.place(ResNetSmall(1, 10, 8))
+    model.load_state_dict(plain.state_dict())
+    conv = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    x = torch.randn(16, 1, 28, 28)
+    with torch.no_grad():
+        expected = plain.to(CUDA).eval()(x.to(CUDA))
+        with fast.autocast():
+            got = model.eval()(x.to(CUDA).contiguous(memory_format=torch.channels_last))
+    torch.testing.assert_close(got.float(), expected, rtol=5e-2, atol=5e-2)
+
+
+def test_torch_sync_batchnorm_on_cuda_trains_like_batchnorm() -> None:
+    """convert_sync_batchnorm picks torch's SyncBatchNorm on CUDA; in a one-rank NCCL group it trains
+    as plain BatchNorm does (a group of several ranks needs several GPUs)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    plain = ResNetSmall(1, 10, 8).to(CUDA)
+    synced = convert_sync_batchnorm(ResNetSmall(1, 10, 8), CUDA).to(CUDA)
+    synced.load_state_dict(plain.state_dict())
+    num_bn = sum(isinstance(m, nn.BatchNorm2d) for m in plain.modules())
+    assert num_bn and sum(isinstance(m, nn.SyncBatchNorm) for m in synced.modules()) == num_bn
+    store = dist.HashStore()
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=CUDA)
+    try:
+        x = torch.randn(32, 1, 28, 28, device=CUDA)
+        for model in (plain, synced):
+            model.train()
+            model(x).square().mean().backward()
+        for a, b in zip(plain.parameters(), synced.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5)
+        for (name, a), b in zip(plain.named_buffers(), synced.buffers()):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_compiled_training_on_the_gpu(tiny_cfg, prepared: Path) -> None:
+    from ddpipe.training import train
+
+    metrics = train(_cfg(tiny_cfg, prepared, "train.compile=true", "train.precision=bf16"))
+    assert metrics["val_accuracy"] > 0.5, metrics
+
+
+def test_the_launcher_under_torchrun_with_nccl_stops_on_sigterm_and_resumes(tmp_path: Path, prepared: Path) -> None:
+    """python -m ddpipe.launch on the GPU: one NCCL worker (nproc auto), its stop agreement on a gloo
+    side group; SIGTERM in epoch 2 -> exit 75 after a checkpoint; the same command finishes the run."""
+    args = args_for(tmp_path, prepared, "num_epochs=3", *NO_MLFLOW)
+    cmd = [sys.executable, "-m", "ddpipe.launch", *args]
+    log = tmp_path / "first.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        deadline = time.time() + 300
+        while not FIRST_EPOCH.search(log.read_text()) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=300) == EXIT_PREEMPTED, log.read_text()[-3000:]
+    first = log.read_text()
+    assert "--nproc-per-node=1" in first and "backend nccl" in first, first[-3000:]
+    resumed = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    assert json.loads((tmp_path / "train.json").read_text())["train"]["epochs"] == 3
