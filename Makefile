@@ -59,7 +59,7 @@ test-slurm: setup slurm-deps
 # on the GPU, torch's SyncBatchNorm, torch.compile, GPU -> CPU model loading, the launcher under NCCL): run on
 # a machine with a GPU; without one they skip.
 test-gpu: setup
-	python -m pytest -m gpu -v
+	python -m pytest -v tests/test_gpu.py
 
 test-fast: setup
 	python -m pytest -m "not slow"

@@ -7,7 +7,7 @@
 The step is ``Trainer.train_step`` of a ``Trainer`` built from params.yaml (plus any ``key=value``
 overrides) for one plain process (no DDP; threads: ``distributed.threads_per_process``, default all
 cores): the model, precision, memory format, transform, optimizer and schedule the training uses, over
-the batches ``trainer.shards`` serves. After ``--warmup`` steps, ``--steps`` steps run under the
+the batches ``trainer.data.shards`` serves. After ``--warmup`` steps, ``--steps`` steps run under the
 profiler, with the batch gathering and the transform labelled. Prints the machine, the step time and
 the top ops by self CPU time as Markdown; appends to bench/results/profile_step.jsonl.
 """
@@ -49,7 +49,7 @@ def micro_batches(trainer: Trainer) -> Iterator[tuple[int, list[tuple]]]:
     """(epoch, one optimizer step's micro-batches), epoch after epoch, as ``Trainer.run_epoch`` takes them."""
     accum = trainer.cfg.train.grad_accum_steps
     for epoch in itertools.count():
-        batches = iter(trainer.shards.loader(epoch, 0, trainer.steps_per_epoch * accum))
+        batches = iter(trainer.data.shards.loader(epoch, 0, trainer.steps_per_epoch * accum))
         for _ in range(trainer.steps_per_epoch):
             with record_function("data: gather"):
                 step = [next(batches) for _ in range(accum)]
@@ -58,13 +58,13 @@ def micro_batches(trainer: Trainer) -> Iterator[tuple[int, list[tuple]]]:
 
 def label_transform(trainer: Trainer) -> None:
     """Time the transform apart: ``train_step`` calls it inside, with no hook for a label."""
-    transform = trainer.transform
+    transform = trainer.data.transform
 
     def labelled(*args: object) -> torch.Tensor:
         with record_function("data: transform"):
             return transform(*args)
 
-    trainer.transform = labelled
+    trainer.data.transform = labelled
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -208,6 +208,29 @@ class TrainShards:
         return _loader(self.dataset, self.batches(epoch)[start:stop], self.pin_memory)
 
 
+@dataclass
+class TrainingData:
+    """What a training reads, for one rank: ``meta.json``, the train and validation splits in memory,
+    this rank's shuffled shards of the training split, and the batch transform on the device."""
+
+    meta: Prepared
+    train_set: InMemoryDataset
+    val_set: InMemoryDataset
+    shards: TrainShards
+    transform: BatchTransform
+
+    @classmethod
+    def load(cls, prepared_dir: str | Path, cfg: TrainConfig, seed: int, rank: int, world_size: int,
+             device: torch.device, channels_last: bool) -> TrainingData:
+        meta = load_meta(prepared_dir)
+        train_set = InMemoryDataset.load(prepared_dir, "train")
+        check_global_batch(len(train_set), cfg, world_size)
+        shards = TrainShards(train_set, cfg.batch_size_per_rank, rank, world_size, seed,
+                             pin_memory=device.type == "cuda")
+        transform = BatchTransform(meta.mean, meta.std, cfg.random_crop_padding, cfg.hflip, seed, device, channels_last)
+        return cls(meta, train_set, InMemoryDataset.load(prepared_dir, "val"), shards, transform)
+
+
 def steps_per_epoch(num_samples: int, cfg: TrainConfig, world_size: int) -> int:
     """Optimizer steps in an epoch of ``num_samples`` (each rank's shard, its full batches, then
     ``grad_accum_steps`` of them a step, as :class:`TrainShards` serves them)."""

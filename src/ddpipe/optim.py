@@ -40,6 +40,14 @@ def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter], lr: 
     return torch.optim.AdamW(params, lr=lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay)
 
 
+def build_optimization(cfg: TrainConfig, module: torch.nn.Module, world_size: int, steps_per_epoch: int,
+                       num_epochs: int) -> tuple[float, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """(peak lr for ``world_size`` processes, the optimizer over ``module``'s parameters, its schedule)."""
+    lr = cfg.base_lr * lr_scale(cfg.lr_scaling, world_size)
+    optimizer = build_optimizer(cfg, module.parameters(), lr)
+    return lr, optimizer, build_scheduler(cfg, optimizer, steps_per_epoch, num_epochs)
+
+
 def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int,
                     num_epochs: int) -> torch.optim.lr_scheduler.LambdaLR:
     """The per-step schedule of :func:`lr_lambda`, stepped after every optimizer step."""

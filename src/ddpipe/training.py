@@ -22,21 +22,13 @@ from ddpipe import distributed as dd
 from ddpipe.batchnorm import convert_sync_batchnorm
 from ddpipe.checkpoint import Checkpointer, Position, fingerprint
 from ddpipe.config import Config, trajectory
-from ddpipe.data import (
-    BatchTransform,
-    InMemoryDataset,
-    Prepared,
-    TrainShards,
-    check_global_batch,
-    load_meta,
-    steps_per_epoch,
-)
+from ddpipe.data import Prepared, TrainingData, steps_per_epoch
 from ddpipe.devices import Compute, deterministic_kernels
 from ddpipe.exact import clip_grad_norm_ as exact_clip_grad_norm_
 from ddpipe.exact import make_exact
 from ddpipe.metrics import EpochMeter, EpochStats, evaluate_split, final_metrics
 from ddpipe.models import build_model
-from ddpipe.optim import build_optimizer, build_scheduler, lr_scale
+from ddpipe.optim import build_optimization
 from ddpipe.preemption import Preempted, StopRequests
 from ddpipe.selection import ModelSelection
 from ddpipe.tracking import TrainingOutputs, make_progress, make_tracker
@@ -51,28 +43,21 @@ class Trainer:
         self.compute = Compute.resolve(tc, info.device)
         deterministic_kernels(info.device)
         self.device = info.device
-        self.meta = load_meta(cfg.paths.prepared)
-        self.train_set = InMemoryDataset.load(cfg.paths.prepared, "train")
-        self.val_set = InMemoryDataset.load(cfg.paths.prepared, "val")
-        self.transform = BatchTransform(self.meta.mean, self.meta.std, tc.random_crop_padding, tc.hflip, cfg.seed,
-                                        self.device, self.compute.channels_last)
+        self.data = TrainingData.load(cfg.paths.prepared, tc, cfg.seed, info.rank, info.world_size, self.device,
+                                      self.compute.channels_last)
         # Identical initial weights on every rank. Nothing in training draws from the global RNG after
         # this (augmentation is a hash of seed, epoch and index; the samplers seed their own generators):
         # a layer that did (Dropout) would draw the same numbers on every rank.
         torch.manual_seed(cfg.seed)
-        self.module = training_module(cfg, self.meta, info, self.compute)
+        self.module = training_module(cfg, self.data.meta, info, self.compute)
         self.model = wrap(self.module, info, tc.compile)
-        self.shards = TrainShards(self.train_set, tc.batch_size_per_rank, info.rank, info.world_size, cfg.seed,
-                                  self.compute.pin_memory)
-        check_global_batch(len(self.train_set), tc, info.world_size)
-        self.steps_per_epoch = steps_per_epoch(len(self.train_set), tc, info.world_size)
-        self.effective_lr = tc.base_lr * lr_scale(tc.lr_scaling, info.world_size)
-        self.optimizer = build_optimizer(tc, self.module.parameters(), self.effective_lr)
-        self.scheduler = build_scheduler(tc, self.optimizer, self.steps_per_epoch, cfg.num_epochs)
+        self.steps_per_epoch = steps_per_epoch(len(self.data.train_set), tc, info.world_size)
+        self.effective_lr, self.optimizer, self.scheduler = build_optimization(
+            tc, self.module, info.world_size, self.steps_per_epoch, cfg.num_epochs)
         self.scaler = self.compute.grad_scaler()
         self.tracker = make_tracker(cfg.mlflow, info)
         self.selection = ModelSelection(tc)
-        fp = fingerprint({**trajectory(cfg), "world_size": info.world_size, "data": asdict(self.meta)})
+        fp = fingerprint({**trajectory(cfg), "world_size": info.world_size, "data": asdict(self.data.meta)})
         self.checkpointer = Checkpointer(cfg.paths.checkpoints, fp, tc.keep_checkpoints, info)
         self.history: list[dict[str, float]] = []
 
@@ -111,7 +96,7 @@ class Trainer:
         """One epoch from ``start_step``; ``resumed``: what a checkpoint recorded of the steps before it."""
         accum = self.cfg.train.grad_accum_steps
         # set_epoch(epoch): a new shuffle and new shards every epoch; a resumed epoch starts at its step
-        loader = self.shards.loader(epoch, start_step * accum, self.steps_per_epoch * accum)
+        loader = self.data.shards.loader(epoch, start_step * accum, self.steps_per_epoch * accum)
         meter = EpochMeter(self.device, resumed)
         bar = make_progress(self.info, self.cfg.train.progress_bar, f"epoch {epoch + 1}/{self.cfg.num_epochs}",
                             self.steps_per_epoch, start_step)
@@ -137,7 +122,7 @@ class Trainer:
 
     def _forward_backward(self, batch: tuple, epoch: int, meter: EpochMeter, sync: bool) -> None:
         images, labels, idx = batch
-        x = self.transform(images.to(self.device, non_blocking=True), idx, epoch)
+        x = self.data.transform(images.to(self.device, non_blocking=True), idx, epoch)
         labels = labels.to(self.device, non_blocking=True)
         with contextlib.nullcontext() if sync or not self.info.distributed else self.model.no_sync():
             with self.compute.autocast():
@@ -177,7 +162,7 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> tuple[float, float]:
         """Loss and accuracy over the whole validation split, each sample counted exactly once."""
-        return evaluate_split(self.module, self.val_set, self.transform, self.info,
+        return evaluate_split(self.module, self.data.val_set, self.data.transform, self.info,
                               self.cfg.train.eval_batch_size_per_rank, self.compute)
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -198,12 +183,10 @@ class Trainer:
             return Position(0, 0), None, EpochMeter.fresh()
         pos, state = found
         self.history = list(state["history"])
-        where = self.cfg.paths.checkpoints
-        if pos.epoch >= self.cfg.num_epochs or self.selection.should_stop(pos.epoch):
-            dd.print0(f"{where}: this run's {pos.epoch} epochs are already trained; writing its outputs",
-                      info=self.info)
-        else:
-            dd.print0(f"resuming from {where} at epoch {pos.epoch + 1}, step {pos.step}", info=self.info)
+        done = pos.epoch >= self.cfg.num_epochs or self.selection.should_stop(pos.epoch)
+        dd.print0(f"{self.cfg.paths.checkpoints}: this run's {pos.epoch} epochs are already trained; writing its "
+                  "outputs" if done else f"resuming from {self.cfg.paths.checkpoints} at epoch {pos.epoch + 1}, "
+                  f"step {pos.step}", info=self.info)
         return pos, state.get("run_id") or None, state.get("epoch_progress", EpochMeter.fresh())
 
     # -- the start and the end -----------------------------------------------------------------
@@ -222,7 +205,7 @@ class Trainer:
         metrics = final_metrics(self.history, self.selection.best_epoch, self.selection.best_val_accuracy,
                                 exported_epoch, self.info.world_size, self.effective_lr)
         self.tracker.save_outputs(self.cfg, TrainingOutputs(weights, exported_epoch, metrics, self.history,
-                                                            self.meta, self.val_set.images[:4]))
+                                                            self.data.meta, self.data.val_set.images[:4]))
         self.tracker.finish()
         dd.barrier(self.info)
         return metrics
