@@ -43,7 +43,7 @@ from omegaconf import OmegaConf
 
 from ddpipe.config import Config, load_config
 from ddpipe.devices import cpu_count
-from ddpipe.launch import TRAIN_SCRIPT, torchrun_command
+from ddpipe.launch import torchrun_command, train_script
 
 PY = sys.executable
 REFERENCE_LOOP = REPO / "bench" / "reference_loop.py"
@@ -72,7 +72,7 @@ def ddpipe_train(nproc: int | None, prepared: Path, overrides: list[str]) -> Met
             f"paths.prepared={prepared}", f"mlflow.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
             "train.progress_bar=false", *overrides]
         seconds = run_timed(torchrun_command(config(args).distributed, nproc, args) if nproc
-                            else [PY, str(TRAIN_SCRIPT), *args])
+                            else [PY, str(train_script()), *args])
         last = read_history(tmp / "history")[-1]
     return {"images_per_s": last["images_per_s"], "epoch_s": last["epoch_seconds"], "wall_s": seconds}
 

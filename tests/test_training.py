@@ -142,6 +142,26 @@ def test_two_trainings_at_once_on_one_machine(tmp_path: Path, prepared: Path) ->
 
 
 @pytest.mark.slow
+def test_a_training_started_beside_another_takes_its_share_of_the_cores(tmp_path: Path, prepared: Path) -> None:
+    """Alone, one process takes every core; with a 2-process training running on this 2-core host there
+    are 3 workers, so it drops to 1 thread at its first step, and says so (ddpipe.hostshare)."""
+    log = tmp_path / "long.log"
+    with log.open("w") as out:
+        long = subprocess.Popen(torchrun(2, *args_for(tmp_path / "long", prepared, "num_epochs=200")), cwd=ROOT,
+                                env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while "epoch 1/200" not in log.read_text() and long.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert long.poll() is None, log.read_text()[-3000:]
+        out = run(["python", "stages/train.py", *args_for(tmp_path / "short", prepared, "num_epochs=1")]).stdout
+    finally:
+        os.killpg(long.pid, signal.SIGKILL)
+        long.wait()
+    assert "2 thread(s)/process" in out and "threads per process now 1 from epoch 1, step 1" in out, out
+
+
+@pytest.mark.slow
 def test_same_seed_twice_gives_the_same_metrics(tmp_path: Path, prepared: Path) -> None:
     for name in ("a", "b"):
         run(["python", "stages/train.py", *args_for(tmp_path / name, prepared, "num_epochs=1")])

@@ -32,6 +32,7 @@ class DistInfo:
     num_nodes: int = 1
     device: torch.device = torch.device("cpu")
     backend: str | None = None
+    processes_on_host: int = 1  # this job's processes on this host (several agents may share one)
 
     @property
     def is_main(self) -> bool:
@@ -85,13 +86,16 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
             world_size=world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
+    sharing = local_world_size
     if device.type == "cpu":
         # Each process gets its share of the host's cores; more threads than cores just thrash.
+        # (Other trainings on the host shrink it further while they run: ddpipe.hostshare.)
         sharing = _processes_on_this_host(local_world_size) if under_launcher else 1
         torch.set_num_threads(cfg.threads_per_process or max(1, cpu_count() // sharing))
     num_nodes = max(1, world_size // max(1, local_world_size))
     return DistInfo(distributed=under_launcher, rank=rank, local_rank=local_rank, world_size=world_size,
-                    local_world_size=local_world_size, num_nodes=num_nodes, device=device, backend=backend)
+                    local_world_size=local_world_size, num_nodes=num_nodes, device=device, backend=backend,
+                    processes_on_host=sharing)
 
 
 class CollectiveTimeout(RuntimeError):

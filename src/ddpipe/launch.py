@@ -35,13 +35,21 @@ from ddpipe.devices import cpu_count, resolve_precision
 from ddpipe.exact import make_exact
 from ddpipe.models import build_model
 
-TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "stages" / "train.py"
+PACKAGED_TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "stages" / "train.py"
+
+
+def train_script() -> Path:
+    """The checkout's stages/train.py: the one in the working directory (a queued DVC experiment runs in a
+    copy of the repo, while an editable install's package path names the main checkout), else the
+    installed package's."""
+    here = Path.cwd() / "stages" / "train.py"
+    return here if here.is_file() else PACKAGED_TRAIN_SCRIPT
 # What torchrun passes on to its workers (its default, plus SLURM's warning signal)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 
 def torchrun_command(d: DistributedConfig, nproc: int, script_args: Sequence[str] = (),
-                     script: str | Path = TRAIN_SCRIPT) -> list[str]:
+                     script: str | Path | None = None) -> list[str]:
     """The torchrun argv for this node: ``nproc`` workers of ``script`` (``script_args`` passed to every
     worker), restarts, stop-signal forwarding and rendezvous from ``d``. The one place a torchrun
     command is written (dvc.yaml, deploy/, the tests and the benchmarks all come here)."""
@@ -61,7 +69,7 @@ def torchrun_command(d: DistributedConfig, nproc: int, script_args: Sequence[str
     else:
         cmd += [f"--nnodes={d.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={d.rdzv_endpoint}",
                 f"--rdzv-id={d.rdzv_id}"]
-    return cmd + [str(script), *script_args]
+    return cmd + [str(script or train_script()), *script_args]
 
 
 @functools.cache

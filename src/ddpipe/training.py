@@ -26,6 +26,7 @@ from ddpipe.data import Prepared, TrainingData, steps_per_epoch
 from ddpipe.devices import Compute, deterministic_kernels
 from ddpipe.exact import clip_grad_norm_ as exact_clip_grad_norm_
 from ddpipe.exact import make_exact
+from ddpipe.hostshare import HostShare
 from ddpipe.metrics import EpochMeter, EpochStats, evaluate_split, final_metrics
 from ddpipe.models import build_model
 from ddpipe.optim import build_optimization
@@ -37,9 +38,11 @@ from ddpipe.tracking import TrainingOutputs, make_progress, make_tracker
 class Trainer:
     """Builds everything from the config, then ``fit()`` trains, validates and checkpoints."""
 
-    def __init__(self, cfg: Config, info: dd.DistInfo, stops: StopRequests | None = None) -> None:
+    def __init__(self, cfg: Config, info: dd.DistInfo, stops: StopRequests | None = None,
+                 share: HostShare | None = None) -> None:
         self.cfg, self.info, tc = cfg, info, cfg.train
         self.stops = stops or StopRequests(info, cfg.distributed.timeout_s)  # asked at every step
+        self.share = share or HostShare(cfg.distributed.threads_per_process, info.processes_on_host, enabled=False)
         self.compute = Compute.resolve(tc, info.device)
         deterministic_kernels(info.device)
         self.device = info.device
@@ -72,6 +75,7 @@ class Trainer:
             "resolved_precision": self.compute.precision,
             "channels_last": self.compute.channels_last,
             "num_parameters": sum(p.numel() for p in self.module.parameters()),
+            "threads_per_process_at_start": torch.get_num_threads(),
         }
 
     # -- the loop ------------------------------------------------------------------------------
@@ -80,6 +84,8 @@ class Trainer:
         pos, run_id, progress = self._restore()
         self.tracker.start(self.cfg, self.derived(), run_id, Path(self.cfg.paths.checkpoints))
         dd.print0(self._describe(), info=self.info)
+        self.tracker.log_metrics({"threads_per_process": torch.get_num_threads()},
+                                 step=pos.epoch * self.steps_per_epoch + pos.step)
         for epoch in range(pos.epoch, self.cfg.num_epochs):
             resumed = epoch == pos.epoch
             if signum := self.stops.agreed():  # this position's checkpoint is on disk already
@@ -104,6 +110,8 @@ class Trainer:
         with contextlib.closing(bar):
             for step, micro_batches in enumerate(in_steps(loader, accum), start=start_step + 1):
                 self.train_step(micro_batches, epoch, meter)
+                if threads := self.share.rebalance():  # another training started or ended on this host
+                    self._record_threads(threads, epoch, step)
                 bar.step(step, meter.sums, meter.seconds())
                 if step < self.steps_per_epoch:  # the epoch's end checkpoints (and stops) in fit()
                     self._between_steps(epoch, step, meter)
@@ -141,6 +149,12 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+
+    def _record_threads(self, threads: int, epoch: int, step: int) -> None:
+        global_step = epoch * self.steps_per_epoch + step
+        dd.print0(f"threads per process now {threads} from epoch {epoch + 1}, step {step} (trainings sharing "
+                  "this host's cores)", info=self.info)
+        self.tracker.log_metrics({"threads_per_process": threads}, step=global_step)
 
     def _between_steps(self, epoch: int, step: int, meter: EpochMeter) -> None:
         """A mid-epoch checkpoint when one is due or every rank agreed to stop; then the stop itself."""
@@ -243,8 +257,9 @@ def train(cfg: Config) -> dict[str, float]:
     info = dd.init_distributed(cfg.distributed)
     trainer = None
     try:
-        with StopRequests(info, cfg.distributed.timeout_s) as stops:
-            trainer = Trainer(cfg, info, stops)
+        share = HostShare(cfg.distributed.threads_per_process, info.processes_on_host, info.device.type == "cpu")
+        with StopRequests(info, cfg.distributed.timeout_s) as stops, share:
+            trainer = Trainer(cfg, info, stops, share)
             return trainer.fit()
     except BaseException as exc:
         if trainer is not None:
