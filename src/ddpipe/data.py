@@ -221,12 +221,12 @@ class TrainingData:
 
     @classmethod
     def load(cls, prepared_dir: str | Path, cfg: TrainConfig, seed: int, rank: int, world_size: int,
-             device: torch.device, channels_last: bool) -> TrainingData:
+             device: torch.device, channels_last: bool, pin_memory: bool) -> TrainingData:
         meta = load_meta(prepared_dir)
         train_set = InMemoryDataset.load(prepared_dir, "train")
         check_global_batch(len(train_set), cfg, world_size)
         shards = TrainShards(train_set, cfg.batch_size_per_rank, rank, world_size, seed,
-                             pin_memory=device.type == "cuda")
+                             pin_memory=pin_memory)
         transform = BatchTransform(meta.mean, meta.std, cfg.random_crop_padding, cfg.hflip, seed, device, channels_last)
         return cls(meta, train_set, InMemoryDataset.load(prepared_dir, "val"), shards, transform)
 

@@ -47,7 +47,7 @@ class Trainer:
         deterministic_kernels(info.device)
         self.device = info.device
         self.data = TrainingData.load(cfg.paths.prepared, tc, cfg.seed, info.rank, info.world_size, self.device,
-                                      self.compute.channels_last)
+                                      self.compute.channels_last, self.compute.pin_memory)
         # Identical initial weights on every rank. Nothing in training draws from the global RNG after
         # this (augmentation is a hash of seed, epoch and index; the samplers seed their own generators):
         # a layer that did (Dropout) would draw the same numbers on every rank.
