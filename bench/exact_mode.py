@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from common import append_jsonl, config, markdown_table, print_machine, summary
 
 from ddpipe.data import Prepared
-from ddpipe.devices import Compute
+from ddpipe.devices import Compute, resolve_auto
 from ddpipe.distributed import DistInfo
 from ddpipe.training import training_module
 
@@ -29,8 +29,8 @@ FASHION_SHAPE = Prepared("random", [str(c) for c in range(10)], 1, [28, 28], [0.
 
 
 def step_ms(exact: bool, precision: str, batch: int, steps: int) -> float:
-    cfg = config([f"distributed.exact={str(exact).lower()}", f"train.precision={precision}"])
     info = DistInfo()
+    cfg = resolve_auto(config([f"distributed.exact={str(exact).lower()}", f"train.precision={precision}"]), info.device)
     compute = Compute.resolve(cfg.train, info.device)
     torch.manual_seed(0)
     model = training_module(cfg, FASHION_SHAPE, info, compute)

@@ -42,7 +42,7 @@ from common import (
 from omegaconf import OmegaConf
 
 from ddpipe.config import Config, load_config
-from ddpipe.devices import cpu_count
+from ddpipe.devices import cpu_count, cpu_supports_bf16
 from ddpipe.launch import torchrun_command, train_script
 
 PY = sys.executable
@@ -147,12 +147,13 @@ def loop_throughput(opts: argparse.Namespace) -> list[Variant]:
 def time_to_accuracy(opts: argparse.Namespace) -> list[Variant]:
     """Wall seconds and test accuracy: the reference loop, 2 processes x 5 epochs on the official split
     (baseline), against dvc.yaml's train then evaluate commands with params.yaml's defaults, run in a
-    temporary copy of the repository."""
+    temporary copy of the repository; where `precision: auto` is bf16 (AVX512-BF16 or AMX), the same
+    again in fp32, as on a CPU without them."""
     prepared = ensure_prepared(1024, "prepared-1024") if opts.quick else REPO / config().paths.prepared
 
-    def pipeline() -> Metrics:
+    def pipeline(params: dict[str, object]) -> Metrics:
         with temp_dir("repo-") as copy:
-            paths = repo_copy(copy, prepared, {"num_epochs": 1} if opts.quick else {}).paths
+            paths = repo_copy(copy, prepared, {**params, **({"num_epochs": 1} if opts.quick else {})}).paths
             stages = yaml.safe_load((copy / "dvc.yaml").read_text())["stages"]
             train_s = in_copy(copy, stages["train"]["cmd"])
             evaluate_s = in_copy(copy, stages["evaluate"]["cmd"])
@@ -162,8 +163,12 @@ def time_to_accuracy(opts: argparse.Namespace) -> list[Variant]:
                 "epoch_s": summary([h["epoch_seconds"] for h in history])[0],
                 "images_per_s": history[-1]["images_per_s"]}
 
-    return [Variant("reference W=2", lambda: reference(2, ["--quick"] if opts.quick else ["--epochs=5"])),
-            Variant("ddpipe dvc train+evaluate (defaults)", pipeline, "reference W=2")]
+    variants = [Variant("reference W=2", lambda: reference(2, ["--quick"] if opts.quick else ["--epochs=5"])),
+                Variant("ddpipe dvc train+evaluate (defaults)", lambda: pipeline({}), "reference W=2")]
+    if cpu_supports_bf16():
+        variants.append(Variant("ddpipe dvc train+evaluate, train.precision=fp32",
+                                lambda: pipeline({"train.precision": "fp32"}), "reference W=2"))
+    return variants
 
 
 def ddp_overhead(opts: argparse.Namespace) -> list[Variant]:

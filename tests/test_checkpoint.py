@@ -148,8 +148,10 @@ def test_checkpointer_restores_every_part_and_the_rng(tmp_path: Path) -> None:
 
 def test_the_fingerprint_of_a_configuration_stays_what_it_was() -> None:
     """A run resumes only from checkpoints of its own fingerprint: if a refactor changed how the config
-    and the data are hashed, every existing run would silently start fresh. The literal is what
-    ddpipe has computed for this input since checkpoints were named after fingerprints."""
+    and the data are hashed, every existing run would silently start fresh. The literal is what ddpipe
+    computes for this input since model.eval_flips joined the trajectory keys and model.name and
+    train.batch_size_per_rank became auto (it was 6abdf9a636da before: such runs validated without flips,
+    so they do not resume under the new defaults)."""
     from dataclasses import asdict
 
     from ddpipe.config import Config, trajectory
@@ -157,4 +159,4 @@ def test_the_fingerprint_of_a_configuration_stays_what_it_was() -> None:
 
     data = Prepared(dataset="fashion_mnist", classes=["a", "b"], num_channels=1, image_size=[28, 28], mean=[0.25],
                     std=[0.5], sizes={"train": 100, "val": 10, "test": 10})
-    assert ckpt.fingerprint({**trajectory(Config()), "world_size": 2, "data": asdict(data)}) == "6abdf9a636da"
+    assert ckpt.fingerprint({**trajectory(Config()), "world_size": 2, "data": asdict(data)}) == "7ea22602640c"

@@ -1,11 +1,13 @@
-"""Device decisions: the precision `auto` resolves to, channels_last, autocast, and what CPU can't run."""
+"""Device decisions: the network, batch and precision `auto` resolve to, channels_last, autocast, what
+CPU cannot run."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ddpipe.config import ConfigError, TrainConfig
+from ddpipe import devices
+from ddpipe.config import ConfigError, TrainConfig, load_config
 from ddpipe.devices import Compute, cpu_count, cpu_supports_bf16, resolve_precision, use_channels_last
 
 CPU = torch.device("cpu")
@@ -41,3 +43,23 @@ def test_compute_on_cpu_autocasts_only_below_fp32() -> None:
     module = bf16.place(torch.nn.Conv2d(1, 4, 3))
     assert module.weight.is_contiguous(memory_format=torch.channels_last)
     assert cpu_count() >= 1
+
+
+@pytest.mark.parametrize("amx, device, expected", [
+    (False, "cpu", ("resnet_compact", 128)), (True, "cpu", ("resnet_small", 256)),
+    (False, "cuda", ("resnet_small", 256)),
+])
+def test_auto_model_and_batch_follow_the_device(monkeypatch: pytest.MonkeyPatch, amx: bool, device: str,
+                                                 expected: tuple[str, int]) -> None:
+    monkeypatch.setattr(devices, "cpu_has_amx", lambda: amx)
+    cfg = devices.resolve_auto(load_config([]), torch.device(device))  # params.yaml: both auto
+    assert (cfg.model.name, cfg.train.batch_size_per_rank) == expected
+
+
+def test_explicit_model_and_batch_are_kept_on_every_device() -> None:
+    cfg = load_config(["model.name=seed_cnn", "train.batch_size_per_rank=32"])
+    for device in ("cpu", "cuda"):
+        resolved = devices.resolve_auto(cfg, torch.device(device))
+        assert (resolved.model.name, resolved.train.batch_size_per_rank) == ("seed_cnn", 32)
+    mixed = devices.resolve_auto(load_config(["train.batch_size_per_rank=48"]), CPU)
+    assert mixed.train.batch_size_per_rank == 48 and mixed.model.name != "auto"

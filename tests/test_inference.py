@@ -17,14 +17,14 @@ import torch
 from ddpipe.config import ModelConfig
 from ddpipe.data import InMemoryDataset
 from ddpipe.inference import ImageClassifier, prediction_frame
-from ddpipe.models import build_model, save_model
+from ddpipe.models import build_model, predict_logits, save_model
 from tests.conftest import VENV_BIN, args_for, free_port, run, subprocess_env, wait_for_url
 
 
 @pytest.fixture(scope="module")
 def classifier(tmp_path_factory: pytest.TempPathFactory) -> ImageClassifier:
     torch.manual_seed(0)
-    cfg = ModelConfig(width=8)
+    cfg = ModelConfig(name="resnet_small", width=8)
     meta = {"num_channels": 1, "classes": [f"c{i}" for i in range(10)], "mean": [0.3], "std": [0.35],
             "image_size": [28, 28]}
     path = tmp_path_factory.mktemp("model") / "model.pt"
@@ -123,3 +123,26 @@ def test_the_served_model_answers_plain_images_as_the_evaluate_stage_did(tmp_pat
     finally:
         os.killpg(server.pid, 15)
         server.wait(timeout=30)
+
+
+def test_eval_flips_average_the_mirror_images_logits(tmp_path: Path) -> None:
+    """model.eval_flips travels in the saved model: the served model predicts as validation did; a model
+    file from before the key predicts without flips."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(name="resnet_compact", width=8, eval_flips=True)
+    net = build_model(cfg, 1, 10).eval()
+    x = torch.randn(4, 1, 28, 28)
+    with torch.no_grad():
+        assert torch.equal(predict_logits(net, x, True), (net(x) + net(x.flip(-1))) / 2)
+        assert torch.equal(predict_logits(net, x, False), net(x))
+    meta = {"num_channels": 1, "classes": [f"c{i}" for i in range(10)], "mean": [0.3], "std": [0.35],
+            "image_size": [28, 28]}
+    save_model(net.state_dict(), cfg, meta, tmp_path / "flips.pt")
+    flipped = ImageClassifier.load(tmp_path / "flips.pt")
+    images = torch.from_numpy(_images(4))[:, None]
+    mirrored = torch.from_numpy(_images(4)[:, :, ::-1].copy())[:, None]
+    assert flipped.flips and torch.allclose(flipped.logits(images), flipped.logits(mirrored), atol=1e-5)
+    payload = torch.load(tmp_path / "flips.pt", weights_only=True)
+    del payload["model"]["eval_flips"]  # a model file written before the key existed
+    torch.save(payload, tmp_path / "old.pt")
+    assert not ImageClassifier.load(tmp_path / "old.pt").flips

@@ -49,7 +49,7 @@ def param(
 
 
 DATASETS = ("fashion_mnist", "mnist", "cifar10", "imagefolder")
-MODELS = ("resnet_small", "seed_cnn", "resnet18", "resnet34", "resnet50")
+MODELS = ("auto", "resnet_small", "resnet_compact", "seed_cnn", "resnet18", "resnet34", "resnet50")
 
 
 @dataclass
@@ -77,8 +77,15 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = param("resnet_small", "Network to train.", choices=MODELS)
-    width: int = param(16, "resnet_small / seed_cnn: channels of the first stage.", ge=4)
+    name: str = param(
+        "auto", "Network to train. auto: the device's default (ddpipe.devices.resolve_auto; recorded with the run).",
+        choices=MODELS,
+    )
+    width: int = param(16, "resnet_small / resnet_compact / seed_cnn: channels of the first stage.", ge=4)
+    eval_flips: bool = param(
+        True, "Validation, test and the served model average the logits of each image and of its left-right "
+        "mirror (for data whose mirror images are the same class, as train.hflip assumes).",
+    )
 
 
 @dataclass
@@ -98,7 +105,11 @@ class TrainConfig:
     label_smoothing: float = param(0.1, "Cross-entropy label smoothing.", ge=0.0, lt=1.0)
     grad_clip_norm: Optional[float] = param(None, "Clip the global gradient norm to this (null = off).", gt=0.0)
     grad_accum_steps: int = param(1, "Micro-batches per optimizer step (no_sync on all but the last).", ge=1)
-    batch_size_per_rank: int = param(256, "Training micro-batch per process.", ge=1)
+    # an int once resolved for the device (ddpipe.devices.resolve_auto); OmegaConf has no int-or-word type
+    batch_size_per_rank: str = param(
+        "auto", "Training micro-batch per process: an int, or auto (the device's default, with model.name's).",
+        int_or=("auto",),
+    )
     eval_batch_size_per_rank: int = param(1000, "Validation/test batch per process.", ge=1, trajectory=False)
     precision: str = param(
         "auto", "auto: bf16 where the device runs it fast, else fp32. fp16 needs CUDA.",

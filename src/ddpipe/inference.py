@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ddpipe.data import BatchTransform
-from ddpipe.models import load_model
+from ddpipe.models import load_model, predict_logits
 
 
 class ImageClassifier:
@@ -38,6 +38,7 @@ class ImageClassifier:
         self.num_channels = int(payload["num_channels"])
         self.image_size = tuple(int(s) for s in payload["image_size"])
         self.exported_epoch = payload.get("exported_epoch")
+        self.flips = bool(payload["model"].get("eval_flips", False))  # models saved before the key: off
         # crop padding 0, no flips: evaluation's transform, never the training augmentation
         self.normalise = BatchTransform(payload["mean"], payload["std"], 0, False, 0, self.device, False)
 
@@ -53,7 +54,7 @@ class ImageClassifier:
         # passes for channels_last, and the convolutions then take other kernels (other last bits).
         images = images.to(self.device).clone(memory_format=torch.contiguous_format)
         x = self.normalise(images, torch.empty(0), None)
-        return self.model(x).float().cpu()
+        return predict_logits(self.model, x, self.flips).cpu()
 
     def to_batch(self, images: Any) -> torch.Tensor:
         """A client's images as the uint8 ``N x C x H x W`` batch the model takes (see the module doc)."""

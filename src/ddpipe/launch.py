@@ -31,7 +31,7 @@ import torch
 from ddpipe.cli import load_or_exit
 from ddpipe.config import Config, ConfigError, DistributedConfig
 from ddpipe.data import PreparedDataError, check_global_batch, load_meta
-from ddpipe.devices import cpu_count, resolve_precision
+from ddpipe.devices import cpu_count, resolve_auto, resolve_precision
 from ddpipe.exact import make_exact
 from ddpipe.models import build_model
 
@@ -100,6 +100,7 @@ def preflight(cfg: Config, world_size: int) -> None:
     """Every check that needs this node's devices or the prepared data, for a job of ``world_size``
     processes: run before torchrun starts any worker (and by each worker, for a torchrun started by hand)."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    cfg = resolve_auto(cfg, device)
     resolve_precision(cfg.train.precision, device)
     if cfg.distributed.backend == "nccl" and device.type != "cuda":
         raise ConfigError("distributed.backend = 'nccl' needs CUDA GPUs; accepted here: auto or gloo")

@@ -13,6 +13,7 @@ from torch import nn
 from ddpipe import distributed as dd
 from ddpipe.data import BatchTransform, InMemoryDataset, eval_loader, real_sample_mask
 from ddpipe.devices import Compute
+from ddpipe.models import predict_logits
 
 
 @dataclass
@@ -80,9 +81,10 @@ class EpochMeter:
 
 @torch.no_grad()
 def evaluate_split(model: nn.Module, dataset: InMemoryDataset, transform: BatchTransform, info: dd.DistInfo,
-                   batch_size: int, compute: Compute) -> tuple[float, float]:
+                   batch_size: int, compute: Compute, flips: bool = False) -> tuple[float, float]:
     """(mean loss, accuracy) over ``dataset``, spread over the ranks; DistributedSampler's padding
-    repeats are excluded from every count."""
+    repeats are excluded from every count. ``flips``: logits averaged with the mirror image's
+    (``model.eval_flips``, as the evaluate stage and the served model predict)."""
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=info.device)
@@ -91,7 +93,7 @@ def evaluate_split(model: nn.Module, dataset: InMemoryDataset, transform: BatchT
         x = transform(images.to(info.device, non_blocking=True), idx, None)
         labels = labels.to(info.device, non_blocking=True)
         with compute.autocast():
-            logits = model(x).float()
+            logits = predict_logits(model, x, flips)
         real = real_sample_mask(seen, len(labels), info.rank, info.world_size, len(dataset)).to(info.device)
         seen += len(labels)
         loss = F.cross_entropy(logits, labels, reduction="none")

@@ -23,7 +23,7 @@ from ddpipe.batchnorm import convert_sync_batchnorm
 from ddpipe.checkpoint import Checkpointer, Position, fingerprint
 from ddpipe.config import Config, trajectory
 from ddpipe.data import Prepared, TrainingData, steps_per_epoch
-from ddpipe.devices import Compute, deterministic_kernels
+from ddpipe.devices import Compute, deterministic_kernels, device_kind, resolve_auto
 from ddpipe.exact import clip_grad_norm_ as exact_clip_grad_norm_
 from ddpipe.exact import make_exact
 from ddpipe.hostshare import HostShare
@@ -40,6 +40,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, info: dd.DistInfo, stops: StopRequests | None = None,
                  share: HostShare | None = None) -> None:
+        cfg = resolve_auto(cfg, info.device)  # model and batch for this device: logged as the run's params
         self.cfg, self.info, tc = cfg, info, cfg.train
         self.stops = stops or StopRequests(info, cfg.distributed.timeout_s)  # asked at every step
         self.share = share or HostShare(cfg.distributed.threads_per_process, info.processes_on_host, enabled=False)
@@ -72,6 +73,7 @@ class Trainer:
             "effective_lr": self.effective_lr,
             "global_batch_size": tc.batch_size_per_rank * self.info.world_size * tc.grad_accum_steps,
             "steps_per_epoch": self.steps_per_epoch,
+            "device_kind": device_kind(self.device),  # the row of devices.AUTO_CHOICES that `auto` took
             "resolved_precision": self.compute.precision,
             "channels_last": self.compute.channels_last,
             "num_parameters": sum(p.numel() for p in self.module.parameters()),
@@ -177,7 +179,7 @@ class Trainer:
     def validate(self) -> tuple[float, float]:
         """Loss and accuracy over the whole validation split, each sample counted exactly once."""
         return evaluate_split(self.module, self.data.val_set, self.data.transform, self.info,
-                              self.cfg.train.eval_batch_size_per_rank, self.compute)
+                              self.cfg.train.eval_batch_size_per_rank, self.compute, self.cfg.model.eval_flips)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
