@@ -174,7 +174,8 @@ def time_to_accuracy(opts: argparse.Namespace) -> list[Variant]:
 def ddp_overhead(opts: argparse.Namespace) -> list[Variant]:
     """ddpipe's defaults on 12,800 samples, 2 epochs, global batch 256: plain `python stages/train.py`
     (no process group; baseline) against torchrun with 1 process x all cores, and 2 processes x half of
-    them with and without SyncBatchNorm."""
+    them with and without SyncBatchNorm, and with SyncBatchNorm's and DDP's sums over gloo's sockets
+    instead of shared memory (``distributed.shared_memory=false``)."""
     n, epochs = (1024, 1) if opts.quick else (12800, 2)
     prepared = ensure_prepared(n, f"prepared-{n}")
     base = [f"num_epochs={epochs}", "mlflow.log_model=false"]
@@ -188,6 +189,8 @@ def ddp_overhead(opts: argparse.Namespace) -> list[Variant]:
         Variant(f"torchrun W=2 x {half} thread(s), SyncBatchNorm", lambda: ddpipe_train(2, prepared, two), plain),
         Variant(f"torchrun W=2 x {half} thread(s), no SyncBatchNorm", lambda: ddpipe_train(
             2, prepared, [*two, "distributed.sync_batchnorm=false"]), plain),
+        Variant(f"torchrun W=2 x {half} thread(s), SyncBatchNorm, sums over gloo only", lambda: ddpipe_train(
+            2, prepared, [*two, "distributed.shared_memory=false"]), plain),
     ]
 
 

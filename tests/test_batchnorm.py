@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpipe import hostcomm
 from ddpipe.batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
 from ddpipe.models import ResNetSmall
 from tests.conftest import spawn
@@ -118,7 +119,9 @@ def _check_case(case: Case, rank: int) -> list[str]:
     return failures
 
 
-def _sync_rank(rank: int, world: int) -> None:
+def _sync_rank(rank: int, world: int, shared_memory: bool) -> None:
+    if shared_memory:  # the sums through ddpipe.hostcomm, as a one-host training makes them
+        hostcomm.enable(rank, world, timeout_s=60)
     failures = [f for case in CASES for f in _check_case(case, rank)]
     # a global batch of one sample: torch's BatchNorm over it raises, so every rank does
     _, synced = _layers(CASES[0])
@@ -127,10 +130,12 @@ def _sync_rank(rank: int, world: int) -> None:
     assert not failures, "\n".join(failures)
 
 
-def test_cpu_sync_batchnorm_equals_batchnorm_over_the_concatenated_batch() -> None:
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["gloo", "shared-memory"])
+def test_cpu_sync_batchnorm_equals_batchnorm_over_the_concatenated_batch(shared_memory: bool) -> None:
     """Outputs, input gradients, parameter gradients summed over ranks, running statistics and eval outputs
-    of every case in CASES: one 2-process group runs them all (a spawn costs seconds)."""
-    spawn(_sync_rank, 2)
+    of every case in CASES, with the sums over gloo and through shared memory: one 2-process group runs
+    them all (a spawn costs seconds)."""
+    spawn(_sync_rank, 2, shared_memory)
 
 
 def test_conversion_keeps_parameters_buffers_flags_and_dtype() -> None:

@@ -185,7 +185,7 @@ def test_trajectory_leaves_out_exactly_the_keys_a_run_may_resume_across() -> Non
     resumable = {k for k in flat if k.startswith(("paths.", "mlflow."))} | {
         "distributed.max_restarts", "distributed.timeout_s", "distributed.nproc_per_node", "distributed.nnodes",
         "distributed.rdzv_endpoint", "distributed.rdzv_id", "distributed.shutdown_timeout_s",
-        "train.progress_bar", "train.checkpoint_every_steps", "train.keep_checkpoints",
+        "distributed.shared_memory", "train.progress_bar", "train.checkpoint_every_steps", "train.keep_checkpoints",
         "train.eval_batch_size_per_rank", "train.export"}
     expected = {k: v for k, v in flat.items() if k not in resumable}
     assert trajectory(cfg) == expected and list(trajectory(cfg)) == list(expected)

@@ -5,8 +5,9 @@ torch.nn.SyncBatchNorm raises for CPU tensors, so on a gloo process group ``CPUS
 ``ExactBatchNorm`` is the BatchNorm of the world-size-exact mode (``ddpipe.exact`` explains that mode): its
 sums over the batch have the same bits at any world size. Both update the running statistics as torch does,
 form the input gradient by one formula (``batchnorm_input_grad``) and apply per-channel scales and shifts with
-one fused kernel (``affine``). Only torch.distributed's collectives are used here; setting up the process
-group is ``ddpipe.distributed``'s job.
+one fused kernel (``affine``). Setting up the process group is ``ddpipe.distributed``'s job; the CPU
+SyncBatchNorm's sums go through ``ddpipe.hostcomm`` (shared memory when every rank is on this host), the
+exact one's through torch.distributed.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from ddpipe import hostcomm
 
 
 def world_size() -> int:
@@ -89,7 +92,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             stats = torch.cat([mean_l * n_l, (var_l + mean_l * mean_l) * n_l, mean_l.new_full((1,), n_l)])
         else:
             stats = torch.zeros(2 * c + 1, dtype=torch.float64, device=x.device)
-        dist.all_reduce(stats)
+        hostcomm.all_reduce_sum(stats)
         total = stats[2 * c]
         _check_global_count(total, x)
         mean64 = stats[:c] / total
@@ -112,7 +115,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             sum_dy_xhat = sum_dy = torch.zeros_like(mean)
         grad_weight, grad_bias = sum_dy_xhat.clone(), sum_dy.clone()  # local, as DDP expects
         both = torch.cat([sum_dy.double(), sum_dy_xhat.double()])
-        dist.all_reduce(both)
+        hostcomm.all_reduce_sum(both)
         mean_dy, mean_dy_xhat = (both[:c] / ctx.total).float(), (both[c:] / ctx.total).float()
         if weight is None:
             dx = batchnorm_input_grad(dy, x, None, mean, invstd, mean_dy, mean_dy_xhat)

@@ -156,6 +156,10 @@ class DistributedConfig:
     )
     backend: str = param("auto", "auto: nccl on CUDA, gloo on CPU.", choices=("auto", "nccl", "gloo"))
     sync_batchnorm: bool = param(True, "Synchronise BatchNorm statistics across processes.")
+    shared_memory: bool = param(
+        True, "CPU, every rank on one host: SyncBatchNorm's and DDP's sums through shared memory instead of "
+        "gloo's sockets (ddpipe.hostcomm); same results, off: gloo for every sum.", trajectory=False,
+    )
     exact: bool = param(
         False, "World-size-exact arithmetic (CPU): every sum over the batch in fp64, so 1 and N processes with "
         "the same global batch end with the same weights; 2.6x (fp32) to 4.2x (bf16) slower per step.",

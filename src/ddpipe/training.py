@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpipe import distributed as dd
+from ddpipe import hostcomm
 from ddpipe.batchnorm import convert_sync_batchnorm
 from ddpipe.checkpoint import Checkpointer, Position, fingerprint
 from ddpipe.config import Config, trajectory
@@ -74,6 +75,7 @@ class Trainer:
             "global_batch_size": tc.batch_size_per_rank * self.info.world_size * tc.grad_accum_steps,
             "steps_per_epoch": self.steps_per_epoch,
             "device_kind": device_kind(self.device),  # the row of devices.AUTO_CHOICES that `auto` took
+            "host_sums": "shared memory" if hostcomm.active() else ("gloo" if self.info.distributed else "none"),
             "resolved_precision": self.compute.precision,
             "channels_last": self.compute.channels_last,
             "num_parameters": sum(p.numel() for p in self.module.parameters()),
@@ -209,7 +211,8 @@ class Trainer:
 
     def _describe(self) -> str:
         info, tc = self.info, self.cfg.train
-        return (f"world size {info.world_size} ({info.num_nodes} node(s), backend {info.backend or 'none'}, "
+        sums = " + shared memory" if hostcomm.active() else ""
+        return (f"world size {info.world_size} ({info.num_nodes} node(s), backend {info.backend or 'none'}{sums}, "
                 f"{self.device.type}, {torch.get_num_threads()} thread(s)/process), precision "
                 f"{self.compute.precision}, effective lr {self.effective_lr:.6g} ({tc.lr_scaling} scaling of "
                 f"{tc.base_lr:g}), global batch {self.derived()['global_batch_size']}, "
@@ -245,10 +248,13 @@ def training_module(cfg: Config, meta: Prepared, info: dd.DistInfo, compute: Com
 
 
 def wrap(module: nn.Module, info: dd.DistInfo, compile_model: bool) -> nn.Module:
-    """DDP under a process group, then torch.compile if asked."""
+    """DDP under a process group (its gradient sums through shared memory where ``hostcomm`` is on),
+    then torch.compile if asked."""
     model = module
     if info.distributed:
         model = DDP(module, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+        if hostcomm.active() is not None:
+            model.register_comm_hook(None, hostcomm.ddp_comm_hook)
     return torch.compile(model) if compile_model else model
 
 
@@ -260,6 +266,10 @@ def train(cfg: Config) -> dict[str, float]:
     trainer = None
     try:
         share = HostShare(cfg.distributed.threads_per_process, info.processes_on_host, info.device.type == "cpu")
+        d = cfg.distributed
+        if d.shared_memory and not d.exact and hostcomm.usable(info.world_size, info.processes_on_host,
+                                                               info.device, info.backend):
+            hostcomm.enable(info.rank, info.world_size, d.timeout_s)
         with StopRequests(info, cfg.distributed.timeout_s) as stops, share:
             trainer = Trainer(cfg, info, stops, share)
             return trainer.fit()
@@ -271,4 +281,5 @@ def train(cfg: Config) -> dict[str, float]:
             raise dd.explain_timeout(exc, info, cfg.distributed.timeout_s) from exc
         raise
     finally:
+        hostcomm.disable()
         dd.cleanup()
