@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,3 +86,14 @@ def _silent_peer_rank(rank: int, world: int) -> None:
 def test_a_peer_that_dies_or_stops_answering_is_reported() -> None:
     spawn(_dead_peer_rank, 2)  # rank 1 exits with 0; the spawn passes only if rank 0 raised as expected
     spawn(_silent_peer_rank, 2)
+
+
+def _no_segment_rank(rank: int, world: int) -> None:
+    hostcomm.SHM_DIR = Path("/nonexistent-ddpipe-test")  # this spawned process only
+    assert hostcomm.enable(rank, world, timeout_s=60) is None and hostcomm.active() is None
+    t = torch.full((3,), float(rank + 1))
+    assert torch.equal(hostcomm.all_reduce_sum(t), torch.full((3,), 3.0))  # over gloo
+
+
+def test_without_a_segment_every_rank_sums_over_gloo() -> None:
+    spawn(_no_segment_rank, 2)

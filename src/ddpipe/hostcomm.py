@@ -28,6 +28,10 @@ SHM_DIR = Path("/dev/shm")
 _LINE = 64  # bytes: one sequence number per cache line, so ranks do not write the same line
 
 
+class SegmentUnavailable(OSError):
+    """The shared segment could not be made or mapped on some rank (every rank raises it together)."""
+
+
 class HostReduce:
     """One shared segment for the ranks of this host; :meth:`all_reduce_` sums a tensor in place."""
 
@@ -37,17 +41,26 @@ class HostReduce:
         size = header + 2 * world * SLOT_BYTES
         name = [f"ddpipe-{os.getuid()}-{secrets.token_hex(8)}" if rank == 0 else None]
         dist.broadcast_object_list(name, src=0)
-        path = SHM_DIR / name[0]
-        if rank == 0:
-            with open(path, "wb") as f:
-                os.posix_fallocate(f.fileno(), 0, size)  # the space now, not a SIGBUS at the first write
-        dist.barrier()
+        path, buf, error = SHM_DIR / name[0], None, ""
         try:
-            buf = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
-        finally:
-            dist.barrier()  # every rank has it mapped: the name can go, nothing is left behind
             if rank == 0:
-                path.unlink(missing_ok=True)
+                with open(path, "wb") as f:
+                    os.posix_fallocate(f.fileno(), 0, size)  # the space now, not a SIGBUS at the first write
+        except OSError as exc:
+            error = f"{path}: {exc}"
+        failed = torch.tensor([bool(error)], dtype=torch.int32)
+        dist.all_reduce(failed)  # every rank learns whether rank 0 could make it
+        if not failed.item():
+            try:
+                buf = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+            except (OSError, RuntimeError) as exc:
+                error = f"{path}: {exc}"
+            failed = torch.tensor([bool(error)], dtype=torch.int32)
+            dist.all_reduce(failed)  # every rank has it mapped (or one could not): the name can go
+        if rank == 0:
+            path.unlink(missing_ok=True)
+        if failed.item():
+            raise SegmentUnavailable(error or f"{size} bytes in {SHM_DIR}: another rank could not map them")
         self._seqs = buf[:_LINE * world].view(torch.int64)[::_LINE // 8]
         self._pids = buf[_LINE * world:header].view(torch.int64)[::_LINE // 8]
         self._slots = buf[header:].view(2, world, SLOT_BYTES)
@@ -102,10 +115,16 @@ def usable(world_size: int, processes_on_host: int, device: torch.device, backen
             and platform.machine().lower() in ("x86_64", "amd64") and SHM_DIR.is_dir())
 
 
-def enable(rank: int, world: int, timeout_s: float) -> HostReduce:
-    """Set up the segment (a collective: every rank calls it); :func:`all_reduce_sum` then uses it."""
+def enable(rank: int, world: int, timeout_s: float) -> HostReduce | None:
+    """Set up the segment (a collective: every rank calls it); :func:`all_reduce_sum` then uses it. If it
+    cannot be made (a full or missing /dev/shm), rank 0 says why and every rank's sums stay on gloo."""
     global _active
-    _active = HostReduce(rank, world, timeout_s)
+    try:
+        _active = HostReduce(rank, world, timeout_s)
+    except SegmentUnavailable as exc:
+        if rank == 0:
+            print(f"warning: shared-memory sums unavailable ({exc}); summing over gloo", flush=True)
+        _active = None
     return _active
 
 
