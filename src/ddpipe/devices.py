@@ -35,14 +35,14 @@ def cpu_has_amx() -> bool:
 
 
 # What ``model.name: auto`` and ``train.batch_size_per_rank: auto`` become, by device (BENCHMARKS.md,
-# "Time to accuracy by CPU kind"). resnet_compact at batch 128 reached 0.923 test accuracy in 10 epochs
+# "Which network `auto` picks"). resnet_compact at batch 128 reached 0.923 test accuracy in 10 epochs
 # at 2.2x resnet_small's images/s in fp32 on an AVX2/AVX512 CPU; resnet_small at batch 256 is the
 # combination measured on an AMX Xeon (bf16, 0.44x the reference loop's time) and the one the GPU
 # tests ran, kept unchanged there until the compact one is measured on those devices.
-AUTO_CHOICES = {
-    "cpu": ("resnet_compact", 128, "CPU without AMX"),
-    "cpu-amx": ("resnet_small", 256, "CPU with AMX"),
-    "cuda": ("resnet_small", 256, "CUDA"),
+AUTO_CHOICES = {  # device_kind -> (model.name, train.batch_size_per_rank)
+    "cpu": ("resnet_compact", 128),  # a CPU without AMX
+    "cpu-amx": ("resnet_small", 256),
+    "cuda": ("resnet_small", 256),
 }
 
 
@@ -57,7 +57,7 @@ def resolve_auto(cfg: Config, device: torch.device) -> Config:
     """``cfg`` with ``model.name`` and ``train.batch_size_per_rank`` made concrete for ``device`` (auto:
     :data:`AUTO_CHOICES`; an explicit value is kept, as an int for the batch). The one place where
     the network depends on the device; the training logs the result as its parameters."""
-    name, batch, _ = AUTO_CHOICES[device_kind(device)]
+    name, batch = AUTO_CHOICES[device_kind(device)]
     requested = cfg.train.batch_size_per_rank
     return replace(
         cfg,
