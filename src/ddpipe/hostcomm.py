@@ -42,24 +42,28 @@ class HostReduce:
         name = [f"ddpipe-{os.getuid()}-{secrets.token_hex(8)}" if rank == 0 else None]
         dist.broadcast_object_list(name, src=0)
         path, buf, error = SHM_DIR / name[0], None, ""
+
+        def any_rank_failed() -> bool:
+            failed = torch.tensor([bool(error)], dtype=torch.int32)
+            dist.all_reduce(failed)
+            return bool(failed.item())
+
         try:
             if rank == 0:
                 with open(path, "wb") as f:
                     os.posix_fallocate(f.fileno(), 0, size)  # the space now, not a SIGBUS at the first write
         except OSError as exc:
             error = f"{path}: {exc}"
-        failed = torch.tensor([bool(error)], dtype=torch.int32)
-        dist.all_reduce(failed)  # every rank learns whether rank 0 could make it
-        if not failed.item():
+        failed = any_rank_failed()  # every rank learns whether rank 0 could make it
+        if not failed:
             try:
                 buf = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
             except (OSError, RuntimeError) as exc:
                 error = f"{path}: {exc}"
-            failed = torch.tensor([bool(error)], dtype=torch.int32)
-            dist.all_reduce(failed)  # every rank has it mapped (or one could not): the name can go
+            failed = any_rank_failed()  # every rank has it mapped (or one could not): the name can go
         if rank == 0:
             path.unlink(missing_ok=True)
-        if failed.item():
+        if failed:
             raise SegmentUnavailable(error or f"{size} bytes in {SHM_DIR}: another rank could not map them")
         self._seqs = buf[:_LINE * world].view(torch.int64)[::_LINE // 8]
         self._pids = buf[_LINE * world:header].view(torch.int64)[::_LINE // 8]
