@@ -169,33 +169,58 @@ class NullTracker:
     def end_after(self, exc: BaseException) -> None: ...
 
 
+class SystemMetrics:
+    """MLflow's system-metrics monitor for one node, logging into ``run_id`` under ``system/node<i>/``.
+    MLflow's loop publishes once per sampling interval and drops the samples of the interval it is in
+    when stopped; :meth:`stop` logs those too, so a node that ran for less than one interval is on record."""
+
+    def __init__(self, run_id: str, node: str, uri: str, resumed: bool) -> None:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        self.node = node
+        self.monitor = SystemMetricsMonitor(run_id, node_id=node, tracking_uri=uri, resume_logging=resumed)
+        self.monitor.start()
+
+    def stop(self) -> None:
+        self.monitor.finish()
+        try:
+            tail = self.monitor.aggregate_metrics()
+            if tail:
+                self.monitor.publish_metrics(tail)
+                self.monitor.mlflow_logger.flush()
+        except Exception as exc:  # a node's metrics are not worth a failed training
+            warnings.warn(f"MLflow system metrics of {self.node}: the last samples were not logged "
+                          f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=2)
+
+
+def start_system_metrics(run_id: str | None, node: str, uri: str, resumed: bool) -> SystemMetrics | None:
+    """This node's :class:`SystemMetrics` into ``run_id``, or None (no run, or the monitor would not start)."""
+    if not run_id:
+        return None
+    try:
+        return SystemMetrics(run_id, node, uri, resumed)
+    except Exception as exc:  # a node's metrics are not worth a failed training
+        warnings.warn(f"MLflow system metrics of {node} are off ({type(exc).__name__}: {exc})",
+                      RuntimeWarning, stacklevel=2)
+        return None
+
+
 class NodeMetricsTracker(NullTracker):
-    """Local rank 0 of a node other than rank 0's, when runs go to a tracking server: MLflow's own
-    system-metrics monitor for this node, logging into rank 0's run under ``system/node<i>/``."""
+    """Local rank 0 of a node other than rank 0's, when runs go to a tracking server: this node's
+    system metrics into rank 0's run (:class:`SystemMetrics`)."""
 
     def __init__(self, cfg: MlflowConfig, info: DistInfo) -> None:
         super().__init__(info)
-        self.uri, self.monitor = tracking_uri(cfg), None
+        self.uri, self.system = tracking_uri(cfg), None
 
     def start(self, cfg: Config, derived: dict[str, Any], resume_run_id: str | None, markers: Path) -> None:
         super().start(cfg, derived, resume_run_id, markers)
-        if not self.run_id:
-            return
-        try:
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-            self.monitor = SystemMetricsMonitor(self.run_id, node_id=node_id(self.info), tracking_uri=self.uri,
-                                                resume_logging=resume_run_id is not None)
-            self.monitor.start()
-        except Exception as exc:  # this node's metrics are not worth a failed training
-            warnings.warn(f"MLflow system metrics of {node_id(self.info)} are off ({type(exc).__name__}: {exc})",
-                          RuntimeWarning, stacklevel=2)
-            self.monitor = None
+        self.system = start_system_metrics(self.run_id, node_id(self.info), self.uri, resume_run_id is not None)
 
     def finish(self) -> None:
-        if self.monitor is not None:
-            self.monitor.finish()
-            self.monitor = None
+        if self.system is not None:
+            self.system.stop()
+            self.system = None
 
     def end_after(self, exc: BaseException) -> None:
         self.finish()
@@ -217,6 +242,7 @@ class MlflowTracker(NullTracker):
         self.run_id = None
         self.experiment_id: str | None = None
         self.marker: Path | None = None
+        self.system: SystemMetrics | None = None
 
     def _call(self, what: str, fn: Callable[[], Any]) -> Any:
         if not self.enabled:
@@ -271,13 +297,8 @@ class MlflowTracker(NullTracker):
             mlflow = self._client()
             self.experiment_id = self._experiment(mlflow)
             self._close_orphans(mlflow, markers, keep=resume_run_id)
-            if self.cfg.log_system_metrics and self.info is not None:
-                from mlflow.system_metrics import set_system_metrics_node_id
-
-                set_system_metrics_node_id(node_id(self.info))
-            system = self.cfg.log_system_metrics
             if resume_run_id:
-                run = mlflow.start_run(run_id=resume_run_id, log_system_metrics=system)
+                run = mlflow.start_run(run_id=resume_run_id, log_system_metrics=False)
                 attempts = int(run.data.tags.get("ddpipe.attempts", "1")) + 1
                 mlflow.set_tags({"ddpipe.attempts": str(attempts), "ddpipe.end_reason": "running"})
             else:
@@ -285,7 +306,7 @@ class MlflowTracker(NullTracker):
                 if self.cfg.sweep:
                     tags.update({"mlflow.parentRunId": self._sweep_parent(mlflow), "ddpipe.sweep": self.cfg.sweep})
                 run = mlflow.start_run(experiment_id=self.experiment_id, run_name=run_name(cfg), tags=tags,
-                                       log_system_metrics=system)
+                                       log_system_metrics=False)  # this node's monitor: SystemMetrics
                 params = {**flatten(cfg), **derived}
                 mlflow.log_params({k: "null" if v is None else v for k, v in params.items()})
                 try:
@@ -297,6 +318,8 @@ class MlflowTracker(NullTracker):
             return run.info.run_id
 
         self.run_id = self._call("start", go)
+        if self.cfg.log_system_metrics and self.info is not None:
+            self.system = start_system_metrics(self.run_id, node_id(self.info), self.uri, resume_run_id is not None)
         if self.info is not None:
             broadcast_object(self.run_id, self.info)  # the other nodes' system metrics go into this run
 
@@ -468,6 +491,10 @@ class MlflowTracker(NullTracker):
                   f"{runs_view_url(self.experiment_id, charts=True)}  (charts)", flush=True)
 
     def _end(self, status: str, reason: str) -> None:
+        if self.system is not None:
+            self.system.stop()
+            self.system = None
+
         def go() -> None:
             mlflow = self._client()
             if mlflow.active_run() is None and self.run_id:
