@@ -112,6 +112,12 @@ def _check_case(case: Case, rank: int) -> list[str]:
         close(f"{name} gradient", grad, expected.grad)
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         close(name, getattr(synced, name), getattr(reference, name))
+        mine = getattr(synced, name)
+        if mine is not None:  # the same bits on every rank: DDP need not broadcast them (training.wrap)
+            every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(every, mine)
+            if not all(torch.equal(t, every[0]) for t in every):
+                failures.append(f"rank {rank}, {case.name}: {name} differs between ranks: {every}")
     reference.eval()
     synced.eval()
     with torch.no_grad():  # eval: running statistics, or without them this rank's batch (as torch's SyncBatchNorm)

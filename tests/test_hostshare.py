@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from ddpipe import hostshare
-from ddpipe.hostshare import HostShare
+from ddpipe.hostshare import GpuLease, HostShare
 
 
 @pytest.fixture
@@ -22,9 +25,9 @@ def eight_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.set_num_threads(threads)
 
 
-def _register(registry: Path, pid: int) -> Path:
+def _register(registry: Path, pid: int, fixed_threads: int = 0) -> Path:
     entry = registry / f"{pid}-{hostshare._start_time(pid)}"
-    entry.touch()
+    entry.write_text(str(fixed_threads))
     return entry
 
 
@@ -57,9 +60,95 @@ def test_a_stale_entry_of_a_reused_pid_is_not_counted(tmp_path: Path, eight_core
     assert not list(tmp_path.iterdir())
 
 
-def test_fixed_threads_and_gpu_workers_do_not_share(tmp_path: Path, eight_cores: None) -> None:
-    with HostShare(3, own_processes=1, registry=tmp_path) as share:
-        assert share.threads() == 3 and share.entry is None
+def test_a_training_with_fixed_threads_keeps_them_and_the_others_share_what_is_left(
+        tmp_path: Path, eight_cores: None) -> None:
+    with HostShare(3, own_processes=1, registry=tmp_path) as fixed:  # its claim, for the others to read
+        assert fixed.threads() == 3 and fixed.entry.read_text() == "3"
+    assert not list(tmp_path.iterdir())
+    others = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        with HostShare(None, own_processes=1, registry=tmp_path) as share:
+            _register(tmp_path, others[0].pid, fixed_threads=3)  # a training started with 3 threads
+            assert share.threads() == 5
+            _register(tmp_path, others[1].pid)  # a second sharing training
+            assert share.threads() == 2
+            _register(tmp_path, others[1].pid, fixed_threads=6)  # claims more than is left: 1 at least
+            assert share.threads() == 1
+            others[0].kill()
+            others[0].wait()
+            assert share.threads() == 2  # the 3-thread training ended: its claim went with it
+    finally:
+        for other in others:
+            other.kill()
+            other.wait()
+
+
+def test_gpu_workers_do_not_share(tmp_path: Path, eight_cores: None) -> None:
     torch.set_num_threads(2)
     with HostShare(None, own_processes=1, enabled=False, registry=tmp_path) as share:
         assert share.threads() == 2 and share.rebalance() is None and not list(tmp_path.iterdir())
+
+
+# -- GPUs: leased at launch --------------------------------------------------------------------
+
+
+EIGHT_GPUS = [str(i) for i in range(8)]
+
+
+def test_a_training_alone_leases_every_gpu_and_gives_them_back(tmp_path: Path) -> None:
+    with GpuLease(EIGHT_GPUS, None, registry=tmp_path, expected=lambda: 0) as lease:
+        assert lease.gpus == EIGHT_GPUS and lease.entry.read_text() == ",".join(EIGHT_GPUS)
+    assert [p.name for p in tmp_path.iterdir()] == ["lock"]
+
+
+def _hold(registry: Path, pid: int, gpus: str) -> None:
+    (registry / f"{pid}-{hostshare._start_time(pid)}").write_text(gpus)
+
+
+def test_queued_trainings_split_the_gpus_and_a_fixed_count_takes_free_ones(tmp_path: Path) -> None:
+    """`dvc queue start -j 2`: two queue workers, so an `auto` training takes half, the second the other half."""
+    with GpuLease(EIGHT_GPUS, None, registry=tmp_path, expected=lambda: 2) as lease:
+        assert lease.gpus == ["0", "1", "2", "3"]
+    first = subprocess.Popen(["sleep", "60"])
+    try:
+        _hold(tmp_path, first.pid, "0,1,2,3")
+        with GpuLease(EIGHT_GPUS, None, registry=tmp_path, expected=lambda: 2) as lease:
+            assert lease.gpus == ["4", "5", "6", "7"]
+        with GpuLease(EIGHT_GPUS, None, registry=tmp_path, expected=lambda: 0) as lease:
+            assert lease.gpus == ["4", "5", "6", "7"]  # not queued: this one and the holder split them
+        with GpuLease(EIGHT_GPUS, 3, registry=tmp_path, expected=lambda: 0) as lease:
+            assert lease.gpus == ["4", "5", "6"]  # nproc_per_node = 3
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_a_training_waits_while_the_gpus_it_needs_are_held(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        _hold(tmp_path, holder.pid, "0,1,2,3,4,5,6")
+        threading.Timer(0.5, holder.kill).start()  # the other training ends
+        with GpuLease(EIGHT_GPUS, 2, registry=tmp_path, expected=lambda: 0, poll_s=0.05) as lease:
+            assert lease.gpus == ["0", "1"]
+        assert "waiting for 2 free GPU(s) of 0,1,2,3,4,5,6,7" in capfd.readouterr().err
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_dvc_queue_workers_are_found_by_their_command_lines() -> None:
+    args = ["exp", "queue-worker", "dvc-exp-abc123-1@localhost"]
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args])
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        cmdline = Path(f"/proc/{worker.pid}/cmdline")
+        for _ in range(500):  # until the child has exec'd (before, it has the forking parent's command line)
+            if b"queue-worker" in cmdline.read_bytes():
+                break
+            time.sleep(0.01)
+        pids = hostshare.dvc_queue_worker_pids()
+        assert worker.pid in pids and other.pid not in pids
+    finally:
+        for p in (worker, other):
+            p.kill()
+            p.wait()

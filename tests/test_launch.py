@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from ddpipe.config import ConfigError, DistributedConfig
+from ddpipe.hostshare import GpuLease
 from ddpipe.launch import resolve_nproc, torchrun_command
 from ddpipe.preemption import EXIT_PREEMPTED
 from tests.conftest import ROOT, args_for, run, subprocess_env
@@ -70,6 +71,28 @@ def test_nproc_is_refused_above_the_cores_of_a_cpu_node(monkeypatch: pytest.Monk
     assert resolve_nproc(DistributedConfig(nproc_per_node="auto")) == 1
     with pytest.raises(ConfigError, match="it has 4 CPU cores"):
         resolve_nproc(DistributedConfig(nproc_per_node="5"))
+
+
+def test_on_a_gpu_host_the_launcher_runs_torchrun_on_the_gpus_it_leased(
+        monkeypatch: pytest.MonkeyPatch, prepared: Path, tmp_path: Path) -> None:
+    """Two queue workers on an 8-GPU host (faked): an `auto` training gets 4 GPUs and 4 processes, checked
+    again for that job size; the lease is given back when torchrun ends."""
+    from ddpipe import launch
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 8)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    checked, ran = [], []
+    monkeypatch.setattr(launch, "preflight", lambda cfg, world_size: checked.append(world_size))
+    monkeypatch.setattr(launch, "run_forwarding_stops", lambda cmd, env=None: ran.append((cmd, env)) or 0)
+    registry = tmp_path / "gpus"
+    monkeypatch.setattr(launch, "GpuLease", lambda gpus, count: GpuLease(gpus, count, registry, lambda: 2))
+    with pytest.raises(SystemExit) as exit_:
+        launch.main(args_for(tmp_path, prepared))
+    assert exit_.value.code == 0 and checked == [8, 4]
+    ((cmd, env),) = ran
+    assert "--nproc-per-node=4" in cmd and env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert [p.name for p in registry.iterdir()] == ["lock"]
 
 
 def _signal_self_soon(signum: int, after: float) -> None:

@@ -3,6 +3,7 @@ mean ± std over seeds."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -10,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from ddpipe.sweeps import group_children, main, metric_key, table
-from tests.conftest import CLONE_ENV, run
+from tests.conftest import CLONE_ENV, run, subprocess_env
 
 
 def _child(lr: str, seed: str, acc: float | None, f1: float = 0.5) -> SimpleNamespace:
@@ -48,7 +49,13 @@ def test_a_queued_grid_is_one_parent_with_its_children_and_a_summary(repro_clone
     clone, env = repro_clone, CLONE_ENV
     run(["dvc", "exp", "run", "--queue", "-S", "mlflow.sweep=grid", "-S", "train.base_lr=0.001,0.003",
          "-S", "seed=1,2"], cwd=clone, env=env)
-    run(["dvc", "queue", "start", "-j", "2"], cwd=clone, env=env)
+    # Into a file, not a pipe: the process that starts each worker keeps the caller's stdout and stderr
+    # open until its worker exits (once the queue is empty), so reading a pipe to its end would wait
+    # for all four trainings instead of polling them below.
+    with open(clone.parent / "queue-start.log", "w") as log:
+        started = subprocess.run(["dvc", "queue", "start", "-j", "2"], cwd=clone, env=subprocess_env(env),
+                                 stdout=log, stderr=subprocess.STDOUT, timeout=300)
+    assert started.returncode == 0, (clone.parent / "queue-start.log").read_text()
     deadline = time.time() + 1200
     while time.time() < deadline:
         status = run(["dvc", "queue", "status"], cwd=clone, env=env).stdout

@@ -3,6 +3,7 @@ checkpoint safety, exact validation, and two trainings at once."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -11,10 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from ddpipe.models import load_model
 from ddpipe.training import train
-from tests.conftest import ROOT, args_for, max_rel_diff, run, subprocess_env, torchrun, weights
+from tests.conftest import ROOT, args_for, max_rel_diff, run, spawn, subprocess_env, torchrun, weights
 
 
 @pytest.mark.slow
@@ -168,3 +170,22 @@ def test_same_seed_twice_gives_the_same_metrics(tmp_path: Path, prepared: Path) 
     a, b = (json.loads((tmp_path / n / "train.json").read_text())["train"] for n in ("a", "b"))
     for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy"):
         assert a[key] == b[key], key
+
+
+def _wrap_rank(rank: int, world: int) -> None:
+    from ddpipe.batchnorm import convert_sync_batchnorm
+    from ddpipe.distributed import DistInfo
+    from ddpipe.training import wrap
+
+    info = DistInfo(distributed=True, rank=rank, local_rank=rank, world_size=world, local_world_size=world,
+                    num_nodes=1, device=torch.device("cpu"), backend="gloo", processes_on_host=world)
+    plain = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4))
+    assert wrap(plain, info, compile_model=False).will_sync_module_buffers()  # each rank's own statistics
+    synced = wrap(convert_sync_batchnorm(copy.deepcopy(plain), info.device), info, compile_model=False)
+    assert not synced.will_sync_module_buffers()  # equal bits on every rank (test_batchnorm): no broadcast
+
+
+def test_ddp_broadcasts_buffers_only_where_ranks_can_differ() -> None:
+    """DDP's broadcast of BatchNorm statistics before every forward (a blocking collective per step) is
+    skipped when every buffer belongs to a synchronised BatchNorm."""
+    spawn(_wrap_rank, 2)

@@ -164,7 +164,10 @@ class DistributedConfig:
         False, "World-size-exact arithmetic (CPU): every sum over the batch in fp64, so 1 and N processes with "
         "the same global batch end with the same weights; 2.6x (fp32) to 4.2x (bf16) slower per step.",
     )
-    threads_per_process: Optional[int] = param(None, "CPU threads per process (null = cores / local world size).", ge=1)
+    threads_per_process: Optional[int] = param(
+        None, "CPU threads per process (null = cores / local world size, shared with other trainings on the "
+        "host; a set value is kept, and the others share the cores it leaves).", ge=1,
+    )
     timeout_s: int = param(
         600, "Bound on every collective; a silent rank fails the job after this.", ge=1, trajectory=False
     )

@@ -20,6 +20,7 @@ container's PID 1, the only one the kubelet signals.
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from ddpipe.config import Config, ConfigError, DistributedConfig
 from ddpipe.data import PreparedDataError, check_global_batch, load_meta
 from ddpipe.devices import cpu_count, resolve_auto, resolve_precision
 from ddpipe.exact import make_exact
+from ddpipe.hostshare import GpuLease, visible_gpus
 from ddpipe.models import build_model
 
 PACKAGED_TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "stages" / "train.py"
@@ -134,13 +136,28 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, PreparedDataError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    cmd = torchrun_command(cfg.distributed, nproc, overrides)
-    print(" ".join(cmd), flush=True)
-    if "--print" not in argv:
-        raise SystemExit(run_forwarding_stops(cmd))
+    if "--print" in argv or not torch.cuda.is_available() or cfg.distributed.nnodes != "1":
+        cmd = torchrun_command(cfg.distributed, nproc, overrides)
+        print(" ".join(cmd), flush=True)
+        if "--print" not in argv:
+            raise SystemExit(run_forwarding_stops(cmd))
+        return
+    # GPUs on one host: leased while torchrun runs, so trainings at once split them (ddpipe.hostshare)
+    with GpuLease(visible_gpus(), None if cfg.distributed.nproc_per_node == "auto" else nproc) as lease:
+        if len(lease.gpus) != nproc:  # an `auto` training's share: the job is smaller, check it again
+            nproc = len(lease.gpus)
+            try:
+                preflight(cfg, nproc)
+            except (ConfigError, PreparedDataError) as exc:
+                print(f"error: {exc} (with {nproc} of this host's GPUs: {','.join(lease.gpus)})", file=sys.stderr)
+                raise SystemExit(2) from None
+        cmd = torchrun_command(cfg.distributed, nproc, overrides)
+        print(f"CUDA_VISIBLE_DEVICES={','.join(lease.gpus)} {' '.join(cmd)}", flush=True)
+        code = run_forwarding_stops(cmd, {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(lease.gpus)})
+    raise SystemExit(code)
 
 
-def run_forwarding_stops(cmd: list[str]) -> int:
+def run_forwarding_stops(cmd: list[str], env: dict[str, str] | None = None) -> int:
     """Run torchrun, passing on the signals a scheduler stops jobs with; its exit code, or
     EXIT_PREEMPTED if a stop (SIGTERM, SIGUSR1) ended it: the workers checkpointed their step.
 
@@ -159,7 +176,7 @@ def run_forwarding_stops(cmd: list[str]) -> int:
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED if sig != signal.SIGINT}
     previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        child = subprocess.Popen(cmd)
+        child = subprocess.Popen(cmd, env=env)
         for signum in stopped:  # arrived while it was starting
             child.send_signal(signum)
         code = child.wait()

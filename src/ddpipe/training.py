@@ -7,7 +7,9 @@ processes), or ``python stages/train.py`` for one plain process (no process grou
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -20,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpipe import distributed as dd
 from ddpipe import hostcomm
-from ddpipe.batchnorm import convert_sync_batchnorm
+from ddpipe.batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
 from ddpipe.checkpoint import Checkpointer, Position, fingerprint
 from ddpipe.config import Config, trajectory
 from ddpipe.data import Prepared, TrainingData, steps_per_epoch
@@ -80,6 +82,8 @@ class Trainer:
             "channels_last": self.compute.channels_last,
             "num_parameters": sum(p.numel() for p in self.module.parameters()),
             "threads_per_process_at_start": torch.get_num_threads(),
+            # the GPUs this training was given (ddpipe.launch leases them: hostshare.GpuLease)
+            "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "all") if self.device.type == "cuda" else "none",
         }
 
     # -- the loop ------------------------------------------------------------------------------
@@ -252,7 +256,16 @@ def wrap(module: nn.Module, info: dd.DistInfo, compile_model: bool) -> nn.Module
     then torch.compile if asked."""
     model = module
     if info.distributed:
-        model = DDP(module, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+        # CPUSyncBatchNorm (ExactBatchNorm too) updates its running statistics from sums every rank gets
+        # bit for bit, so they never differ between ranks: DDP's broadcast of them from rank 0 before
+        # every forward (a blocking gloo collective per step) would copy equal bits.
+        own_buffers = [m for m in module.modules() if list(m.buffers(recurse=False))]
+        equal_buffers = all(isinstance(m, CPUSyncBatchNorm) for m in own_buffers)
+        # torch 2.14 names it forward_sync_buffers (and deprecates broadcast_buffers); older torch has only the latter
+        flag = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters \
+            else "broadcast_buffers"
+        model = DDP(module, device_ids=[info.device.index] if info.device.type == "cuda" else None,
+                    **{flag: not equal_buffers})
         if hostcomm.active() is not None:
             model.register_comm_hook(None, hostcomm.ddp_comm_hook)
     return torch.compile(model) if compile_model else model
