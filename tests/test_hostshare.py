@@ -25,9 +25,10 @@ def eight_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.set_num_threads(threads)
 
 
-def _register(registry: Path, pid: int, fixed_threads: int = 0) -> Path:
+def _register(registry: Path, pid: int, content: str = "0") -> Path:
+    """Process ``pid``'s entry: the threads it holds (0: it shares), or in the GPU registry its GPUs."""
     entry = registry / f"{pid}-{hostshare._start_time(pid)}"
-    entry.write_text(str(fixed_threads))
+    entry.write_text(content)
     return entry
 
 
@@ -68,11 +69,11 @@ def test_a_training_with_fixed_threads_keeps_them_and_the_others_share_what_is_l
     others = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
     try:
         with HostShare(None, own_processes=1, registry=tmp_path) as share:
-            _register(tmp_path, others[0].pid, fixed_threads=3)  # a training started with 3 threads
+            _register(tmp_path, others[0].pid, "3")  # a training started with 3 threads
             assert share.threads() == 5
             _register(tmp_path, others[1].pid)  # a second sharing training
             assert share.threads() == 2
-            _register(tmp_path, others[1].pid, fixed_threads=6)  # claims more than is left: 1 at least
+            _register(tmp_path, others[1].pid, "6")  # claims more than is left: 1 at least
             assert share.threads() == 1
             others[0].kill()
             others[0].wait()
@@ -101,17 +102,13 @@ def test_a_training_alone_leases_every_gpu_and_gives_them_back(tmp_path: Path) -
     assert [p.name for p in tmp_path.iterdir()] == ["lock"]
 
 
-def _hold(registry: Path, pid: int, gpus: str) -> None:
-    (registry / f"{pid}-{hostshare._start_time(pid)}").write_text(gpus)
-
-
 def test_queued_trainings_split_the_gpus_and_a_fixed_count_takes_free_ones(tmp_path: Path) -> None:
     """`dvc queue start -j 2`: two queue workers, so an `auto` training takes half, the second the other half."""
     with GpuLease(EIGHT_GPUS, None, registry=tmp_path, expected=lambda: 2) as lease:
         assert lease.gpus == ["0", "1", "2", "3"]
     first = subprocess.Popen(["sleep", "60"])
     try:
-        _hold(tmp_path, first.pid, "0,1,2,3")
+        _register(tmp_path, first.pid, "0,1,2,3")
         with GpuLease(EIGHT_GPUS, None, registry=tmp_path, expected=lambda: 2) as lease:
             assert lease.gpus == ["4", "5", "6", "7"]
         with GpuLease(EIGHT_GPUS, None, registry=tmp_path, expected=lambda: 0) as lease:
@@ -126,7 +123,7 @@ def test_queued_trainings_split_the_gpus_and_a_fixed_count_takes_free_ones(tmp_p
 def test_a_training_waits_while_the_gpus_it_needs_are_held(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
     holder = subprocess.Popen(["sleep", "60"])
     try:
-        _hold(tmp_path, holder.pid, "0,1,2,3,4,5,6")
+        _register(tmp_path, holder.pid, "0,1,2,3,4,5,6")
         threading.Timer(0.5, holder.kill).start()  # the other training ends
         with GpuLease(EIGHT_GPUS, 2, registry=tmp_path, expected=lambda: 0, poll_s=0.05) as lease:
             assert lease.gpus == ["0", "1"]
