@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ddpipe.config import Config, load_config
-from ddpipe.data import load_meta
+from ddpipe.data.store import load_meta
 from ddpipe.devices import cpu_count
 
 REPO = Path(__file__).resolve().parents[1]

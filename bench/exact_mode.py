@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from common import append_jsonl, config, markdown_table, print_machine, summary
 
-from ddpipe.data import Prepared
+from ddpipe.data.store import Prepared
 from ddpipe.devices import Compute, resolve_auto
 from ddpipe.distributed import DistInfo
 from ddpipe.training import training_module
 
-FASHION_SHAPE = Prepared("random", [str(c) for c in range(10)], 1, [28, 28], [0.0], [1.0], {})
+FASHION_SHAPE = Prepared("random", [str(c) for c in range(10)], 1, "raw", [28, 28], None, [0.0], [1.0], {})
 
 
 def step_ms(exact: bool, precision: str, batch: int, steps: int) -> float:

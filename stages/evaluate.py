@@ -5,7 +5,7 @@
 
 from ddpipe.cli import run_stage
 from ddpipe.config import Config
-from ddpipe.data import PreparedDataError
+from ddpipe.data.store import PreparedDataError
 
 
 def main(cfg: Config) -> None:

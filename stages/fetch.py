@@ -2,14 +2,16 @@
 
     python stages/fetch.py [key=value ...]
 
-Sources, in order: data.source_dir, Debian's dataset package directory, torchvision's download.
+Official datasets, the first source that holds them: data.source_dir, Debian's dataset package
+directory, torchvision's download (copied into paths.raw). A folder of one's own (imagefolder) is only
+checked: the prepare stage reads it where it lies.
 """
 
 from pathlib import Path
 
 from ddpipe.cli import run_stage
 from ddpipe.config import Config
-from ddpipe.sources import DataSourceError, fetch
+from ddpipe.data.sources import DataSourceError, fetch
 
 
 def main(cfg: Config) -> None:

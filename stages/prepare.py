@@ -1,4 +1,4 @@
-"""DVC stage `prepare`: split the fetched dataset and write uint8 tensors per split.
+"""DVC stage `prepare`: split the dataset and write each split into the memory-mapped store.
 
     python stages/prepare.py [key=value ...]     e.g. data.val_fraction=0.2
 """
@@ -7,15 +7,18 @@ from pathlib import Path
 
 from ddpipe.cli import run_stage
 from ddpipe.config import Config
-from ddpipe.data import PreparedDataError, prepare
-from ddpipe.sources import DataSourceError
+from ddpipe.data.prepare import prepare
+from ddpipe.data.sources import DataSourceError
+from ddpipe.data.store import PreparedDataError
 
 
 def main(cfg: Config) -> None:
     result = prepare(cfg.data, cfg.seed, Path(cfg.paths.raw), Path(cfg.paths.prepared))
     sizes = ", ".join(f"{k} {v}" for k, v in result.sizes.items())
-    print(f"prepared {cfg.data.dataset} into {cfg.paths.prepared}: {sizes}; {len(result.classes)} classes; "
-          f"mean {[round(m, 4) for m in result.mean]}, std {[round(s, 4) for s in result.std]}")
+    stored = f"raw {result.image_size[0]}x{result.image_size[1]}" if result.image_size else \
+        f"encoded, longer side at most {result.max_side} px"
+    print(f"prepared {cfg.data.dataset} into {cfg.paths.prepared} ({stored}): {sizes}; {len(result.classes)} "
+          f"classes; mean {[round(m, 4) for m in result.mean]}, std {[round(s, 4) for s in result.std]}")
 
 
 if __name__ == "__main__":

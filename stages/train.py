@@ -14,7 +14,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddpipe.cli import load_or_exit
 from ddpipe.config import ConfigError
-from ddpipe.data import PreparedDataError
+from ddpipe.data.store import PreparedDataError
 from ddpipe.launch import preflight
 
 

@@ -130,7 +130,7 @@ def make_imagefolder(directory: Path, classes: tuple[str, ...] = ("cat", "dog", 
 @pytest.fixture
 def accept_test_checksums(monkeypatch: pytest.MonkeyPatch):
     """Make ``verify_file`` accept generated files for ``dataset`` (returns the patcher)."""
-    from ddpipe import sources
+    from ddpipe.data import sources
 
     def accept(dataset: str, *directories: Path) -> None:
         table = dict(sources.CHECKSUMS)
@@ -143,10 +143,10 @@ def accept_test_checksums(monkeypatch: pytest.MonkeyPatch):
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Generated MNIST-format data (1,200 train images), fetched and prepared once per session."""
-    from ddpipe import sources
     from ddpipe.config import DataConfig
-    from ddpipe.data import prepare
-    from ddpipe.sources import fetch
+    from ddpipe.data import sources
+    from ddpipe.data.prepare import prepare
+    from ddpipe.data.sources import fetch
 
     base = tmp_path_factory.mktemp("data")
     src = make_mnist_like(base / "src", n_train=1200, n_test=200)

@@ -134,9 +134,10 @@ def test_yaml_quirks_keep_their_meaning(tmp_path: Path) -> None:
     assert type(cfg.train.momentum) is float
     assert cfg.distributed.nproc_per_node == "2" and cfg.distributed.nnodes == "1"
     assert cfg.mlflow.sweep is None
-    cfg = load_config(["train.base_lr=3", "distributed.nproc_per_node=auto", "data.source_dir=~"], params_file=params)
+    cfg = load_config(["train.base_lr=3", "distributed.nproc_per_node=auto", "mlflow.tracking_uri=~"],
+                      params_file=params)
     assert type(cfg.train.base_lr) is float and cfg.distributed.nproc_per_node == "auto"
-    assert cfg.data.source_dir is None
+    assert cfg.mlflow.tracking_uri is None
 
 
 @pytest.mark.parametrize("override", ["train.hflip=1", "train.hflip=2", "distributed.exact=0"])
@@ -186,7 +187,7 @@ def test_trajectory_leaves_out_exactly_the_keys_a_run_may_resume_across() -> Non
         "distributed.max_restarts", "distributed.timeout_s", "distributed.nproc_per_node", "distributed.nnodes",
         "distributed.rdzv_endpoint", "distributed.rdzv_id", "distributed.shutdown_timeout_s",
         "distributed.shared_memory", "train.progress_bar", "train.checkpoint_every_steps", "train.keep_checkpoints",
-        "train.eval_batch_size_per_rank", "train.export"}
+        "train.eval_batch_size_per_rank", "train.export", "data.num_workers"}
     expected = {k: v for k, v in flat.items() if k not in resumable}
     assert trajectory(cfg) == expected and list(trajectory(cfg)) == list(expected)
     assert json.dumps(trajectory(cfg)) == json.dumps(expected)  # same types: 1.0 stays 1.0

@@ -92,7 +92,7 @@ def test_a_worker_that_always_fails_gives_up_after_max_restarts(repro_clone: Pat
     params = repro_clone / "params.yaml"
     params.write_text(params.read_text().replace("max_restarts: 0", "max_restarts: 1"))
     lock = _digest(repro_clone / "dvc.lock")
-    train = repro_clone / "data" / "prepared" / "train.pt"
+    train = repro_clone / "data" / "prepared" / "train.images.npy"
     train.unlink()  # a DVC-cached file is read-only and linked: replace it, never write through it
     train.write_bytes(b"this is not a tensor file")
     result = run(["dvc", "repro", "--single-item", "train"], cwd=repro_clone, env=CLONE_ENV, check=False, timeout=600)
@@ -100,7 +100,7 @@ def test_a_worker_that_always_fails_gives_up_after_max_restarts(repro_clone: Pat
     assert result.returncode != 0
     # torchrun restarted the group once (attempt_1), then gave up, naming the rank and the cause
     assert "attempt_1" in out and "attempt_2" not in out, out[-6000:]
-    assert out.count("ddpipe.data.PreparedDataError: data/prepared/train.pt: cannot be loaded") >= 2, out[-6000:]
+    assert out.count("PreparedDataError: data/prepared/train.images.npy: cannot be read") >= 2, out[-6000:]
     assert "Root Cause" in out and "rank      : 0" in out, out[-6000:]
     assert _digest(repro_clone / "dvc.lock") == lock
 
@@ -134,7 +134,7 @@ def test_invalid_params_fail_before_torchrun_and_overwrite_nothing(repro_clone: 
     params = repro_clone / "params.yaml"
     assert old in params.read_text()
     params.write_text(params.read_text().replace(old, bad))
-    before = {p: _digest(repro_clone / p) for p in ("dvc.lock", "data/prepared/train.pt", "metrics/test.json")}
+    before = {p: _digest(repro_clone / p) for p in ("dvc.lock", "data/prepared/train.images.npy", "metrics/test.json")}
     model = repro_clone / "models" / "model.pt"
     model_digest = _digest(model)
     result = run(["dvc", "repro"], cwd=repro_clone, env=CLONE_ENV, check=False, timeout=300)

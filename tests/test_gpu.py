@@ -20,7 +20,9 @@ from torch import nn
 
 from ddpipe.batchnorm import convert_sync_batchnorm
 from ddpipe.config import TrainConfig
-from ddpipe.data import BatchTransform, InMemoryDataset, TrainShards, load_meta
+from ddpipe.data.loading import TrainingData
+from ddpipe.data.store import load_meta, open_split
+from ddpipe.data.transforms import BatchTransform
 from ddpipe.devices import Compute
 from ddpipe.models import ResNetSmall, load_model
 from ddpipe.preemption import EXIT_PREEMPTED
@@ -60,8 +62,7 @@ def test_a_model_trained_on_the_gpu_loads_on_the_cpu_and_answers_the_same(tiny_c
     cpu_model, payload = load_model(cfg.paths.model)
     assert all(t.device.type == "cpu" for t in cpu_model.state_dict().values())
     gpu_model = load_model(cfg.paths.model)[0].to(CUDA)
-    val = InMemoryDataset.load(prepared, "val")
-    images, idx = val.images[:64], torch.arange(64)
+    images, idx = torch.from_numpy(open_split(prepared, "val").pixels(range(64))), torch.arange(64)
     transform = BatchTransform(payload["mean"], payload["std"], 0, False, 0, torch.device("cpu"), False)
     with torch.no_grad():
         on_cpu = cpu_model(transform(images, idx, None))
@@ -74,8 +75,7 @@ def test_augmentation_on_the_gpu_is_the_cpu_augmentation(prepared: Path) -> None
     """Crops and flips are keyed by integer hashes that CUDA and the CPU compute alike: the same
     pixels on either device, so a run's augmentation does not depend on where it runs."""
     meta = load_meta(prepared)
-    train_set = InMemoryDataset.load(prepared, "train")
-    images, idx = train_set.images[:128], torch.arange(128)
+    images, idx = torch.from_numpy(open_split(prepared, "train").pixels(range(128))), torch.arange(128)
     cpu = BatchTransform(meta.mean, meta.std, 2, True, 42, torch.device("cpu"), True)
     gpu = BatchTransform(meta.mean, meta.std, 2, True, 42, CUDA, True)
     assert torch.equal(gpu._augment(images.to(CUDA), idx.to(CUDA), 3).cpu(), cpu._augment(images, idx, 3))
@@ -85,12 +85,34 @@ def test_augmentation_on_the_gpu_is_the_cpu_augmentation(prepared: Path) -> None
 
 
 def test_pinned_batches_reach_the_gpu_with_non_blocking_copies(prepared: Path) -> None:
-    shards = TrainShards(InMemoryDataset.load(prepared, "train"), 32, 0, 1, 0, pin_memory=True)
-    images, labels, _ = next(iter(shards.loader(0)))
+    cfg = TrainConfig(batch_size_per_rank=32)  # type: ignore[arg-type]  (an int, as resolve_auto makes it)
+    data = TrainingData.load(prepared, load_meta(prepared), cfg, None, 0, 0, 1, CUDA, True, 0, pin_memory=True)
+    images, labels, _ = next(iter(data.train_batches(0)))
     assert images.is_pinned() and labels.is_pinned()
     on_gpu = images.to(CUDA, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(on_gpu.cpu(), images)
+
+
+def test_encoded_images_decoded_by_loader_workers_reach_the_gpu_pinned(tmp_path: Path) -> None:
+    """JPEG/PNG files of many sizes: 2 persistent workers decode and crop, the pin-memory thread pins, and
+    the batches equal those decoded without workers."""
+    from bench.imageset import generate
+    from ddpipe.config import DataConfig
+    from ddpipe.data.prepare import prepare
+
+    src = generate(tmp_path / "imgs", 60, 3)
+    prepare(DataConfig(dataset="imagefolder", source_dir=str(src)), 0, tmp_path / "raw", tmp_path / "p", workers=1)
+    cfg = TrainConfig(batch_size_per_rank=8)  # type: ignore[arg-type]  (an int, as resolve_auto makes it)
+    meta = load_meta(tmp_path / "p")
+    workers = TrainingData.load(tmp_path / "p", meta, cfg, 64, 0, 0, 1, CUDA, True, 2, pin_memory=True)
+    plain = TrainingData.load(tmp_path / "p", meta, cfg, 64, 0, 0, 1, CUDA, True, 0, pin_memory=False)
+    try:
+        for (images, labels, _), (expected, _, _) in zip(workers.train_batches(0), plain.train_batches(0)):
+            assert images.is_pinned() and labels.is_pinned()
+            assert torch.equal(images.to(CUDA, non_blocking=True).cpu(), expected)
+    finally:
+        workers.loader.close()
 
 
 def test_channels_last_and_bf16_on_the_gpu_match_the_plain_layout() -> None:

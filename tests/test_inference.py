@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from bench.imageset import generate
 from ddpipe.config import ModelConfig
-from ddpipe.data import InMemoryDataset
+from ddpipe.data.store import open_split
+from ddpipe.data.transforms import EvalCrop, decode
 from ddpipe.inference import ImageClassifier, prediction_frame
 from ddpipe.models import build_model, predict_logits, save_model
 from tests.conftest import VENV_BIN, args_for, free_port, run, subprocess_env, wait_for_url
@@ -26,7 +28,7 @@ def classifier(tmp_path_factory: pytest.TempPathFactory) -> ImageClassifier:
     torch.manual_seed(0)
     cfg = ModelConfig(name="resnet_small", width=8)
     meta = {"num_channels": 1, "classes": [f"c{i}" for i in range(10)], "mean": [0.3], "std": [0.35],
-            "image_size": [28, 28]}
+            "image_size": [28, 28], "encoding": "raw"}
     path = tmp_path_factory.mktemp("model") / "model.pt"
     save_model(build_model(cfg, 1, 10).state_dict(), cfg, meta, path, extra={"exported_epoch": 3})
     return ImageClassifier.load(path)
@@ -100,7 +102,7 @@ def test_the_served_model_answers_plain_images_as_the_evaluate_stage_did(tmp_pat
     assert version.run_id == run_id and version.tags["dvc_exp_name"] == "served"
     assert len(version.tags["git_commit"]) == 40
 
-    test = InMemoryDataset.load(prepared, "test")
+    test = open_split(prepared, "test")
     evaluated = [line.split(",")[1] for line in (tmp_path / "confusion.csv").read_text().splitlines()[1:]]
     port = free_port()
     server = subprocess.Popen(
@@ -111,7 +113,7 @@ def test_the_served_model_answers_plain_images_as_the_evaluate_stage_did(tmp_pat
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for_url(f"{url}/ping", 120, server)
-        images = test.images[:, 0].numpy()
+        images = np.asarray(test.images[:, 0])
         answer = _post(f"{url}/invocations", {"inputs": images.tolist()})["predictions"]
         assert [p["label"] for p in answer] == evaluated
         assert all(abs(sum(p["probabilities"]) - 1) < 1e-6 for p in answer)
@@ -136,7 +138,7 @@ def test_eval_flips_average_the_mirror_images_logits(tmp_path: Path) -> None:
         assert torch.equal(predict_logits(net, x, True), (net(x) + net(x.flip(-1))) / 2)
         assert torch.equal(predict_logits(net, x, False), net(x))
     meta = {"num_channels": 1, "classes": [f"c{i}" for i in range(10)], "mean": [0.3], "std": [0.35],
-            "image_size": [28, 28]}
+            "image_size": [28, 28], "encoding": "raw"}
     save_model(net.state_dict(), cfg, meta, tmp_path / "flips.pt")
     flipped = ImageClassifier.load(tmp_path / "flips.pt")
     images = torch.from_numpy(_images(4))[:, None]
@@ -146,3 +148,36 @@ def test_eval_flips_average_the_mirror_images_logits(tmp_path: Path) -> None:
     del payload["model"]["eval_flips"]  # a model file written before the key existed
     torch.save(payload, tmp_path / "old.pt")
     assert not ImageClassifier.load(tmp_path / "old.pt").flips
+
+
+@pytest.mark.slow
+def test_a_model_of_encoded_images_takes_any_size_and_predicts_as_evaluated(tmp_path: Path) -> None:
+    """Trained on a folder of JPEG/PNG files of many sizes: the logged model takes each test image as a client
+    has it (decoded, at its own size, one request each) and answers what the evaluate stage measured; its
+    input goes through the evaluation crop of validation and the evaluate stage."""
+    src = generate(tmp_path / "imgs", 120, 3)
+    args = args_for(tmp_path, tmp_path / "prepared", "num_epochs=1", "data.dataset=imagefolder",
+                    f"data.source_dir={src}", "data.image_size=40", "train.batch_size_per_rank=16",
+                    "data.val_fraction=0.2", "data.test_fraction=0.2", "model.name=resnet_compact",
+                    "train.hflip=true")
+    run(["python", "stages/prepare.py", *args])
+    run(["python", "stages/train.py", *args])
+    run(["python", "stages/evaluate.py", *args])
+    evaluated = [line.split(",")[1] for line in (tmp_path / "confusion.csv").read_text().splitlines()[1:]]
+    import mlflow.pyfunc
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    run_id = json.loads((tmp_path / "run.json").read_text())["run_id"]
+    served = mlflow.pyfunc.load_model(f"runs:/{run_id}/model")
+    test = open_split(tmp_path / "prepared", "test")
+    sizes = set()
+    for i in range(len(test)):
+        image = decode(test.blob(i), 3)  # what a client holds: the picture at its own size
+        sizes.add(tuple(image.shape[1:]))
+        answer = served.predict(image.permute(1, 2, 0).numpy()[None])  # 1 x H x W x C
+        assert answer["label"].iloc[0] == evaluated[i], i
+    assert len(sizes) > 10
+    classifier = ImageClassifier.load(tmp_path / "model.pt")
+    assert classifier.encoding == "encoded" and classifier.image_size == (40, 40)
+    image = decode(test.blob(0), 3)
+    assert torch.equal(classifier.to_batch(image.numpy()[None])[0], EvalCrop(40)(image))

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpipe.data import BatchTransform, InMemoryDataset
+from ddpipe.data.loading import BatchKey, Splits, eval_batches
+from ddpipe.data.store import load_meta
+from ddpipe.data.transforms import BatchTransform
 from ddpipe.devices import Compute
 from ddpipe.distributed import DistInfo
 from ddpipe.metrics import evaluate_split
@@ -19,12 +21,13 @@ def _eval_rank(rank: int, world: int, prepared: Path, out: Path) -> None:
     from ddpipe.models import ResNetSmall
 
     model = ResNetSmall(1, 10, 8).eval()
-    ds = InMemoryDataset.load(prepared, "val")
-    ds = InMemoryDataset(ds.images[:143], ds.labels[:143])  # 143: not divisible by 2 or 3
+    splits = Splits(prepared, load_meta(prepared), ("val",), [28, 28])
+    n = 143  # not divisible by 2 or 3
+    batches = (splits.__getitems__(BatchKey("val", None, b)) for b in eval_batches(n, 16, rank, world))
     info = DistInfo(distributed=True, rank=rank, local_rank=rank, world_size=world, local_world_size=world,
                     backend="gloo")
     t = BatchTransform([0.3], [0.3], 0, False, 0, info.device, False)
-    loss, acc = evaluate_split(model, ds, t, info, 16, Compute(info.device, "fp32", channels_last=False))
+    loss, acc = evaluate_split(model, batches, n, t, info, Compute(info.device, "fp32", channels_last=False))
     if rank == 0:
         torch.save({"loss": loss, "acc": acc}, out)
 

@@ -14,8 +14,18 @@ from tests.conftest import ROOT
 SRC = ROOT / "src" / "ddpipe"
 
 
+def _module_file(module: str) -> Path | None:
+    """``data.loading`` -> src/ddpipe/data/loading.py; ``data`` -> src/ddpipe/data/__init__.py."""
+    base = SRC.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
 def _imported_modules(path: Path) -> set[str]:
-    """The ddpipe modules ``path`` imports (at any depth in the file, lazily or not)."""
+    """The ddpipe modules ``path`` imports (at any depth in the file, lazily or not), as dotted names below
+    ``ddpipe``; importing a module of a package imports the package's ``__init__`` too."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         names = []
@@ -25,8 +35,12 @@ def _imported_modules(path: Path) -> set[str]:
             names = [a.name for a in node.names]
         for name in names:
             parts = name.split(".")
-            if parts[0] == "ddpipe" and len(parts) > 1 and (SRC / f"{parts[1]}.py").is_file():
-                found.add(parts[1])
+            if parts[0] != "ddpipe":
+                continue
+            for n in range(2, len(parts) + 1):
+                module = ".".join(parts[1:n])
+                if _module_file(module) is not None:
+                    found.add(module)
     return found
 
 
@@ -37,8 +51,23 @@ def _closure(entry: Path) -> set[str]:
         module = todo.pop()
         if module not in seen:
             seen.add(module)
-            todo += _imported_modules(SRC / f"{module}.py")
+            todo += _imported_modules(_module_file(module))
     return seen
+
+
+def _dep(module: str) -> str:
+    return _module_file(module).relative_to(ROOT).as_posix()
+
+
+def _all_modules() -> list[str]:
+    """Every module of src/ddpipe below the package itself, dotted (``data`` for data/__init__.py)."""
+    names = []
+    for p in SRC.rglob("*.py"):
+        rel = p.relative_to(SRC).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        if parts:
+            names.append(".".join(parts))
+    return names
 
 
 @pytest.mark.parametrize("stage", ["fetch", "prepare", "train", "evaluate"])
@@ -48,19 +77,22 @@ def test_each_stage_depends_on_exactly_the_library_modules_it_imports(stage: str
     entry = ROOT / "stages" / f"{stage}.py"
     modules = _closure(entry) | ({"launch"} | _closure(SRC / "launch.py") if "ddpipe.launch" in cmd else set())
     listed = {d for d in spec["deps"] if d.startswith("src/ddpipe/")}
-    assert listed == {f"src/ddpipe/{m}.py" for m in modules}
+    assert listed == {_dep(m) for m in modules}
     assert f"stages/{stage}.py" in spec["deps"]
 
 
 def test_imports_only_point_down_the_readme_map() -> None:
-    """README's map lists src/ddpipe's modules from the entry points down to the ground floor; a module
-    may import only modules listed below it (so evaluation never reaches into training, models never
-    into the process group)."""
+    """README's map lists src/ddpipe's modules from the entry points down to the ground floor (a package's
+    modules as ``data/loading.py``, its ``__init__`` as ``data/``); a module may import only modules listed
+    below it (so evaluation never reaches into training, models never into the process group)."""
     readme = (ROOT / "README.md").read_text()
     block = readme[readme.index("src/ddpipe/ "):readme.index("\ntests/ ")]
-    order = [line.split()[0][:-3] for line in block.splitlines()[1:] if line.startswith("  ") and
-             line.split()[0].endswith(".py")]
-    assert sorted(order) == sorted(p.stem for p in SRC.glob("*.py") if p.stem != "__init__")
+    order = []
+    for line in block.splitlines()[1:]:
+        word = line.split()[0] if line.startswith("  ") and line.split() else ""
+        if word.endswith(".py") or word.endswith("/"):
+            order.append(word.removesuffix(".py").rstrip("/").replace("/", "."))
+    assert sorted(order) == sorted(_all_modules())
     for i, module in enumerate(order):
         above = set(order[:i + 1])
-        assert not _imported_modules(SRC / f"{module}.py") & above, f"{module} imports a module listed above it"
+        assert not _imported_modules(_module_file(module)) & above, f"{module} imports a module listed above it"

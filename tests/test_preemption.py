@@ -165,3 +165,80 @@ def test_sigterm_to_dvc_repro_leaves_a_step_checkpoint_and_the_next_repro_resume
     assert f"resuming from checkpoints at epoch {epoch}, step {step}" in again.stdout, again.stdout[-3000:]
     print(f"stopped at epoch {epoch}, step {step}")
     assert same_weights(weights(model), reference)
+
+
+@pytest.fixture(scope="module")
+def encoded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A generated folder of JPEG/PNG files of many sizes, prepared (encoded)."""
+    from bench.imageset import generate
+    from ddpipe.config import DataConfig
+    from ddpipe.data.prepare import prepare
+
+    base = tmp_path_factory.mktemp("encoded")
+    cfg = DataConfig(dataset="imagefolder", source_dir=str(generate(base / "imgs", 300, 3)), val_fraction=0.1)
+    prepare(cfg, 0, base / "raw", base / "prepared", workers=1)
+    return base / "prepared"
+
+
+# 2 processes x 1 thread, 2 loader workers each decoding and cropping, 8 steps an epoch
+ENCODED = ("num_epochs=2", "data.image_size=32", "data.num_workers=2", "train.batch_size_per_rank=16",
+           "model.name=resnet_compact", "distributed.nproc_per_node=2", "distributed.threads_per_process=1",
+           "train.hflip=true")
+
+
+@pytest.mark.slow
+def test_encoded_images_with_loader_workers_resume_mid_epoch_to_equal_weights(tmp_path: Path, encoded: Path) -> None:
+    """Persistent loader workers decode and crop ahead of the step: a SIGTERM mid-epoch checkpoints that
+    step, and the resumed run's workers start at it, ending with the uninterrupted run's weights."""
+    whole = tmp_path / "whole"
+    run([sys.executable, "-m", "ddpipe.launch", *args_for(whole, encoded, *ENCODED)], env=CLONE_ENV)
+    cmd = [sys.executable, "-m", "ddpipe.launch", *args_for(tmp_path, encoded, *ENCODED)]
+    log = tmp_path / "log.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            sleep_into_second_epoch(log.read_text, lambda: proc.poll() is None)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=300)
+        finally:
+            proc.kill()
+    text = log.read_text()
+    assert proc.returncode == EXIT_PREEMPTED, text[-4000:]
+    (_, epoch, step), = set(STOPPED.findall(text))
+    resumed = run(cmd, env=CLONE_ENV)
+    assert f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step}" in resumed.stdout
+    print(f"stopped at epoch {epoch}, step {step}")
+    assert same_weights(weights(tmp_path / "model.pt"), weights(whole / "model.pt"))
+
+
+@pytest.mark.slow
+def test_a_training_stopped_at_two_processes_resumes_at_one_and_takes_the_same_samples(
+        tmp_path: Path, prepared: Path) -> None:
+    """What it takes: the same global batch (2 x 16 then 1 x 32) and effective lr (lr_scaling none); the
+    checkpoint's fingerprint has neither the world size nor the per-rank batch. In exact mode the arithmetic
+    does not depend on the world size either, so if every remaining step takes the same samples, the run ends
+    bit-equal to one trained at 1 process throughout."""
+    common = ("num_epochs=2", "distributed.exact=true", "train.lr_scaling=none", "distributed.threads_per_process=1")
+    one = ("train.batch_size_per_rank=32", "distributed.nproc_per_node=1")
+    whole = tmp_path / "whole"
+    run([sys.executable, "-m", "ddpipe.launch", *args_for(whole, prepared, *common, *one)], env=CLONE_ENV)
+    two = [sys.executable, "-m", "ddpipe.launch",
+           *args_for(tmp_path, prepared, *common, "train.batch_size_per_rank=16", "distributed.nproc_per_node=2")]
+    log = tmp_path / "log.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(two, cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            sleep_into_second_epoch(log.read_text, lambda: proc.poll() is None)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=300)
+        finally:
+            proc.kill()
+    text = log.read_text()
+    assert proc.returncode == EXIT_PREEMPTED, text[-4000:]
+    (_, epoch, step), = set(STOPPED.findall(text))
+    resumed = run([sys.executable, "-m", "ddpipe.launch", *args_for(tmp_path, prepared, *common, *one)],
+                  env=CLONE_ENV)
+    assert (f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step} (checkpointed at world size 2, "
+            "now 1") in resumed.stdout, resumed.stdout[-3000:]
+    print(f"stopped at 2 processes at epoch {epoch}, step {step}; resumed at 1")
+    assert same_weights(weights(tmp_path / "model.pt"), weights(whole / "model.pt"))

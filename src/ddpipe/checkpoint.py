@@ -46,6 +46,15 @@ def fingerprint(trajectory: dict[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
+def run_fingerprint(trajectory: dict[str, Any], global_batch_size: int, effective_lr: float,
+                    data: dict[str, Any]) -> str:
+    """The fingerprint of a training run: every config key that shapes its trajectory, with the global batch
+    and the effective lr in place of the per-rank batch and the world size (so that a run stopped at one
+    world size resumes at another with the same global batch and lr), and the prepared data's meta.json."""
+    keys = {k: v for k, v in trajectory.items() if k != "train.batch_size_per_rank"}
+    return fingerprint({**keys, "global_batch_size": global_batch_size, "effective_lr": effective_lr, "data": data})
+
+
 def checkpoint_path(directory: Path, fp: str, pos: Position) -> Path:
     return Path(directory) / f"ckpt-{fp}-e{pos.epoch:04d}-s{pos.step:06d}.pt"
 

@@ -37,13 +37,14 @@ class ConfigError(ValueError):
 def param(
     default: Any, doc: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
     lt: float | None = None, choices: tuple[str, ...] | None = None, int_or: tuple[str, ...] | None = None,
-    trajectory: bool = True,
+    words: str | None = None, trajectory: bool = True,
 ) -> Any:
     """A schema field: its default and a one-line doc; what it accepts beyond its type (bounds
-    ``ge``/``gt``/``le``/``lt``, ``choices``, or ``int_or``: a positive integer or one of these words);
-    and whether it shapes the training trajectory (``trajectory=False``: a run may resume from a
-    checkpoint written before a change to it)."""
-    rules = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "int_or": int_or}
+    ``ge``/``gt``/``le``/``lt``, ``choices``, ``int_or``: an integer (>= ``ge``, else >= 1) or one of these
+    words, or ``words``: what a key checked in :func:`validate` accepts, in words); and whether it shapes
+    the training trajectory (``trajectory=False``: a run may resume from a checkpoint written before a
+    change to it)."""
+    rules = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "int_or": int_or, "words": words}
     rules = {name: rule for name, rule in rules.items() if rule is not None}
     return field(default=default, metadata={"doc": doc, "trajectory": trajectory, **rules})
 
@@ -55,11 +56,12 @@ MODELS = ("auto", "resnet_small", "resnet_compact", "seed_cnn", "resnet18", "res
 @dataclass
 class DataConfig:
     dataset: str = param("fashion_mnist", "Which dataset the fetch stage reads.", choices=DATASETS)
-    source_dir: Optional[str] = param(
-        None,
-        "Directory holding the dataset's files (the four *-ubyte.gz files for the MNISTs, "
-        "cifar-10-python.tar.gz or its unpacked folder for CIFAR-10, class folders for imagefolder). "
-        "null: the Debian package's directory, then a download.",
+    source_dir: str = param(
+        "data/source",
+        "Where the dataset lies: class folders for imagefolder (read there, never copied); for the official "
+        "datasets a directory searched first for their files (the four *-ubyte.gz files, cifar-10-python.tar.gz "
+        "or its folder), then Debian's package directory, then the download. A dependency of the data stages, "
+        "so it must exist: the default is the repository's (nearly empty) data/source.",
     )
     download: bool = param(True, "Allow torchvision's download when no local copy is found.")
     val_fraction: float = param(
@@ -72,7 +74,33 @@ class DataConfig:
     max_train_samples: Optional[int] = param(
         None, "Keep a stratified subset of this many training samples (null = all).", ge=1
     )
-    image_size: int = param(32, "imagefolder only: images are resized to this square size.", ge=8)
+    classes: Any = param(
+        None, "Keep only some classes, relabelled 0..K-1: the first N (in the dataset's order: sorted folder "
+        "names for imagefolder), or a list of class names (in the list's order); null = all. Recorded in meta.json.",
+        words="null, an integer >= 2, or a list of at least 2 class names",
+    )
+    encoding: str = param(
+        "auto", "How prepare stores images: raw uint8 pixels (one size for all; a batch is one gather) or "
+        "encoded JPEG/PNG files decoded per sample. auto: raw when every image has one size with sides of at "
+        "most 64 px, else encoded.", choices=("auto", "raw", "encoded"),
+    )
+    max_side: int = param(
+        512, "Encoded images: a longer side above this is downscaled to it at prepare (aspect ratio kept).", ge=16
+    )
+    jpeg_quality: int = param(90, "Encoded images re-encoded from a JPEG source: JPEG quality.", ge=1, le=100)
+    skip_bad_images: bool = param(
+        False, "An image file that cannot be decoded: false fails prepare naming it (nothing written); true skips "
+        "it, listing it in meta.json and the log.",
+    )
+    image_size: Optional[int] = param(
+        None, "Side of the square the network sees. Encoded images: training random-resized crops and evaluation "
+        "centre crops of this size (null = 224). Raw images: their stored size (null, or that size).", ge=8,
+    )
+    num_workers: str = param(
+        "auto", "DataLoader worker processes per rank that decode and augment (persistent, prefetching). auto: 0 "
+        "for raw data (a batch is one gather), else the rank's share of this host's cores (less one on CUDA, "
+        "half on CPU, where the training threads use them too).", int_or=("auto",), ge=0, trajectory=False,
+    )
 
 
 @dataclass
@@ -120,7 +148,12 @@ class TrainConfig:
         choices=("auto", "on", "off"),
     )
     compile: bool = param(False, "Wrap the model in torch.compile.")
-    random_crop_padding: int = param(2, "Augmentation: pad by this many pixels, then crop back (0 = off).", ge=0)
+    random_crop_padding: int = param(
+        2, "Raw images' augmentation: pad by this many pixels, then crop back (0 = off).", ge=0)
+    min_crop_scale: float = param(
+        0.08, "Encoded images' augmentation (random-resized crop, the ImageNet recipe): the smallest share of the "
+        "image's area a crop covers.", gt=0.0, le=1.0,
+    )
     hflip: bool = param(True, "Augmentation: random horizontal flips (turn off for digits).")
     checkpoint_every_steps: int = param(
         0, "Also checkpoint every N optimizer steps within an epoch (0 = at epoch ends only).", ge=0,
@@ -200,7 +233,8 @@ class MlflowConfig:
 @dataclass
 class PathsConfig:
     raw: str = param("data/raw", "Fetch stage output: verified copies of the dataset's files.")
-    prepared: str = param("data/prepared", "Prepare stage output: uint8 tensors per split plus meta.json.")
+    prepared: str = param("data/prepared", "Prepare stage output: per split memory-mapped raw pixels or encoded "
+                          "shards with an index, plus meta.json.")
     checkpoints: str = param("checkpoints", "Training checkpoints (persist: true in dvc.yaml).")
     model: str = param("models/model.pt", "Final weights plus what rebuilds the model.")
     run_info: str = param("models/run.json", "The MLflow run id the evaluate stage logs to.")
@@ -252,10 +286,13 @@ _BOUNDS = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", ope
 def _accepted(f: dataclasses.Field) -> str:
     """What a key accepts, in words: 'an integer >= 1', 'one of sqrt, linear, none', '... (or null)'."""
     rules, optional = f.metadata, type(None) in get_args(f.type)
+    if "words" in rules:
+        return rules["words"]
     if "choices" in rules:
         words = "one of " + ", ".join(rules["choices"])
     elif "int_or" in rules:
-        words = "a positive integer or " + " or ".join(rules["int_or"])
+        low = rules.get("ge", 1)
+        words = ("a positive integer" if low == 1 else f"an integer >= {low}") + " or " + " or ".join(rules["int_or"])
     else:
         words = _TYPE_WORDS[get_args(f.type)[0] if optional else f.type]
         bounds = [f"{sign} {rules[name]}" for name, (sign, _) in _BOUNDS.items() if name in rules]
@@ -269,10 +306,12 @@ def _accepts(f: dataclasses.Field, value: Any) -> bool:
     rules = f.metadata
     if value is None:  # OmegaConf has already refused null for keys that are not Optional
         return True
+    if "words" in rules:  # checked in validate()
+        return True
     if "choices" in rules:
         return value in rules["choices"]
     if "int_or" in rules:
-        return value in rules["int_or"] or (str(value).isdigit() and int(value) >= 1)
+        return value in rules["int_or"] or (str(value).isdigit() and int(value) >= rules.get("ge", 1))
     if isinstance(value, float) and not math.isfinite(value):
         return False
     return all(holds(value, rules[name]) for name, (_, holds) in _BOUNDS.items() if name in rules)
@@ -412,6 +451,12 @@ def validate(cfg: Config, set_in: dict[str, str] | None = None) -> None:
     for key, value in flatten(cfg).items():
         if not _accepts(_FIELDS[key], value):
             raise _not_accepted(key, value, _accepted(_FIELDS[key]), set_in.get(key))
+    classes = cfg.data.classes
+    if not (classes is None or (isinstance(classes, int) and not isinstance(classes, bool) and classes >= 2) or (
+            isinstance(classes, list) and len(classes) >= 2 and all(isinstance(c, str) for c in classes)
+            and len(set(classes)) == len(classes))):
+        raise _not_accepted("data.classes", classes, _accepted(_FIELDS["data.classes"]) + " (distinct)",
+                            set_in.get("data.classes"))
     dist = cfg.distributed
     nnodes = dist.nnodes.split(":")
     if not (1 <= len(nnodes) <= 2 and all(n.isdigit() and int(n) >= 1 for n in nnodes)):

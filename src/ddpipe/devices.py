@@ -66,6 +66,18 @@ def resolve_auto(cfg: Config, device: torch.device) -> Config:
     )
 
 
+def loader_workers(setting: str, encoding: str, device: torch.device, cores: int) -> int:
+    """``data.num_workers`` resolved for a rank that may use ``cores`` cores. ``auto``: none for raw data (a
+    batch is one gather from the memory map: handing it between processes would cost more); for encoded
+    data on CUDA the rank's cores less one (the training process feeds the GPU), on CPU half of them (the
+    training's own threads compute on the same cores), at least one."""
+    if setting != "auto":
+        return int(setting)
+    if encoding == "raw":
+        return 0
+    return max(1, cores - 1) if device.type == "cuda" else max(1, cores // 2)
+
+
 def resolve_precision(requested: str, device: torch.device) -> str:
     """fp32/bf16/fp16 for this device; ConfigError for a precision the device cannot run."""
     if requested == "fp16" and device.type != "cuda":

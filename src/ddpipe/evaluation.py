@@ -10,6 +10,7 @@ the MLflow run the train stage recorded in ``paths.run_info``.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from ddpipe.config import Config
-from ddpipe.data import InMemoryDataset
-from ddpipe.devices import cpu_count
+from ddpipe.data.loading import BatchKey, Loader, Splits
+from ddpipe.data.store import PreparedDataError, load_meta
+from ddpipe.devices import cpu_count, loader_workers
 from ddpipe.fsutil import atomic_open, atomic_write_json, atomic_write_text
 from ddpipe.inference import ImageClassifier
 from ddpipe.tracking import RunLogger
@@ -48,12 +50,9 @@ def evaluate(cfg: Config) -> dict:
     model, so a served model answers exactly what is measured here."""
     torch.set_num_threads(cpu_count())
     classifier = ImageClassifier.load(cfg.paths.model)
-    test = InMemoryDataset.load(cfg.paths.prepared, "test")
-    size = cfg.train.eval_batch_size_per_rank
-    logits = torch.cat([classifier.logits(test.images[i:i + size]) for i in range(0, len(test), size)])
-    loss = F.cross_entropy(logits, test.labels, reduction="none").double().mean().item()
+    test = TestSplit(cfg, classifier)
+    labels, preds, loss = test.predict(classifier, cfg.train.eval_batch_size_per_rank)
     classes = classifier.classes
-    labels, preds = test.labels.numpy(), logits.argmax(1).numpy()
     m = classification_metrics(labels, preds, classes)
     metrics = {"test": {"accuracy": m["accuracy"], "macro_f1": m["macro_f1"], "loss": loss,
                         "num_samples": int(len(labels))}}
@@ -66,8 +65,45 @@ def evaluate(cfg: Config) -> dict:
     reports = Path(cfg.paths.reports)
     plot_confusion(m["confusion_matrix"], classes, reports / "confusion_matrix.png")
     plot_misclassified(test.images, labels, preds, classes, reports / "misclassified.png")
+    test.close()
     _log_to_run(cfg, metrics["test"], m["per_class"], reports)
     return {**metrics, "per_class": m["per_class"]}
+
+
+class TestSplit:
+    """The prepared test split as the saved model takes it (its input size; encoded images centre-cropped
+    in the loader's workers, as in validation)."""
+
+    def __init__(self, cfg: Config, classifier: ImageClassifier) -> None:
+        meta = load_meta(cfg.paths.prepared)
+        if meta.classes != classifier.classes:
+            raise PreparedDataError(f"{cfg.paths.model} predicts classes {classifier.classes[:5]}..., but "
+                             f"{cfg.paths.prepared} holds {meta.classes[:5]}...: train the model on this data first")
+        self.splits = Splits(cfg.paths.prepared, meta, ("test",), list(classifier.image_size))
+        workers = loader_workers(cfg.data.num_workers, meta.encoding, torch.device("cpu"), cpu_count())
+        self.loader = Loader(self.splits, workers, pin_memory=False)
+        self.n = meta.sizes["test"]
+
+    def batches(self, size: int):  # noqa: ANN201
+        keys = [BatchKey("test", None, torch.arange(a, min(a + size, self.n))) for a in range(0, self.n, size)]
+        return self.loader.serve(keys)
+
+    def predict(self, classifier: ImageClassifier, batch_size: int) -> tuple[np.ndarray, np.ndarray, float]:
+        """(labels, predicted labels, mean loss) over the split; held per sample as two integers, not logits."""
+        labels, preds = np.zeros(self.n, dtype=np.int64), np.zeros(self.n, dtype=np.int64)
+        loss_sum = 0.0
+        for images, y, idx in self.batches(batch_size):
+            logits = classifier.logits(images)
+            loss_sum += F.cross_entropy(logits, y, reduction="none").double().sum().item()
+            labels[idx.numpy()], preds[idx.numpy()] = y.numpy(), logits.argmax(1).numpy()
+        return labels, preds, loss_sum / max(1, self.n)
+
+    def images(self, indices: np.ndarray) -> torch.Tensor:
+        """These samples as the model saw them (uint8), for the report."""
+        return self.splits.__getitems__(BatchKey("test", None, torch.as_tensor(indices, dtype=torch.long)))[0]
+
+    def close(self) -> None:
+        self.loader.close()
 
 
 def per_class_csv(per_class: dict[str, dict[str, float]]) -> str:
@@ -115,21 +151,23 @@ def plot_confusion(cm: np.ndarray, classes: list[str], path: Path) -> None:
     _save_fig(fig, path)
 
 
-def plot_misclassified(images: torch.Tensor, labels: np.ndarray, preds: np.ndarray, classes: list[str],
-                       path: Path, count: int = 32) -> None:
+def plot_misclassified(images: Callable[[np.ndarray], torch.Tensor], labels: np.ndarray, preds: np.ndarray,
+                       classes: list[str], path: Path, count: int = 32) -> None:
+    """A grid of the first ``count`` misclassified samples; ``images(indices)`` gives their pixels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     wrong = np.flatnonzero(labels != preds)[:count]
+    shown = images(wrong) if len(wrong) else None
     cols = 8
     rows = max(1, -(-len(wrong) // cols))
     fig, axes = plt.subplots(rows, cols, figsize=(cols * 1.6, rows * 1.9), squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
-    for ax, i in zip(axes.flat, wrong):
-        img = images[i].numpy()
+    for k, (ax, i) in enumerate(zip(axes.flat, wrong)):
+        img = shown[k].numpy()
         ax.imshow(img[0] if img.shape[0] == 1 else img.transpose(1, 2, 0), cmap="gray" if img.shape[0] == 1 else None)
         ax.set_title(f"true {classes[labels[i]]}\npred {classes[preds[i]]}", fontsize=6)
     fig.suptitle(f"{len(wrong)} of {int((labels != preds).sum())} misclassified test images")

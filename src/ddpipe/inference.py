@@ -9,8 +9,11 @@ Accepted images (a NumPy array or a nested list, as JSON gives it):
   too, when only the last axis matches the model's channels);
 - floats in [0, 1] (a float dtype says so: there is no guessing from the values); they are rounded
   to the 0-255 grid, so ``uint8 / 255`` gives exactly the uint8 prediction.
-Images of another size are resized (bilinear, antialiased) to the training size; grey images are
-repeated to three channels for a colour model. Anything else raises ``ValueError`` saying what was
+Images of any size are brought to the size the network takes as the evaluate stage brought its test
+images: for a model trained on encoded images, the centre square of 0.875 of the shorter side resized to
+the training's ``data.image_size`` (``ddpipe.data.transforms.EvalCrop``, the very function of validation
+and the evaluate stage); for raw images, a resize (bilinear, antialiased) to their stored size. Grey
+images are repeated to three channels for a colour model. Anything else raises ``ValueError`` saying what was
 sent and what is accepted.
 """
 
@@ -24,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ddpipe.data import BatchTransform
+from ddpipe.data.transforms import BatchTransform, EvalCrop
 from ddpipe.models import load_model, predict_logits
 
 
@@ -39,6 +42,7 @@ class ImageClassifier:
         self.image_size = tuple(int(s) for s in payload["image_size"])
         self.exported_epoch = payload.get("exported_epoch")
         self.flips = bool(payload["model"].get("eval_flips", False))  # models saved before the key: off
+        self.encoding = payload.get("encoding", "raw")  # models saved before encoded data: raw
         # crop padding 0, no flips: evaluation's transform, never the training augmentation
         self.normalise = BatchTransform(payload["mean"], payload["std"], 0, False, 0, self.device, False)
 
@@ -96,6 +100,8 @@ class ImageClassifier:
     def _to_model_shape(self, batch: torch.Tensor) -> torch.Tensor:
         if batch.shape[1] != self.num_channels:  # a grey image for a colour model
             batch = batch.expand(-1, self.num_channels, -1, -1)
+        if self.encoding == "encoded":  # every image, whatever its size: the evaluation crop
+            return torch.stack([EvalCrop(self.image_size[0])(image) for image in batch])
         if tuple(batch.shape[2:]) != self.image_size:
             resized = F.interpolate(batch.float(), size=self.image_size, mode="bilinear", antialias=True,
                                     align_corners=False)

@@ -26,12 +26,14 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
 from ddpipe.cli import load_or_exit
 from ddpipe.config import Config, ConfigError, DistributedConfig
-from ddpipe.data import PreparedDataError, check_global_batch, load_meta
+from ddpipe.data.loading import check_global_batch, input_size
+from ddpipe.data.store import PreparedDataError, load_meta
 from ddpipe.devices import cpu_count, resolve_auto, resolve_precision
 from ddpipe.exact import make_exact
 from ddpipe.hostshare import GpuLease, visible_gpus
@@ -115,6 +117,7 @@ def preflight(cfg: Config, world_size: int) -> None:
             make_exact(build_model(cfg.model, meta.num_channels, len(meta.classes)))
         except ValueError as exc:
             raise ConfigError(f"{exc} (model.name = {cfg.model.name!r})") from None
+    input_size(meta, cfg.data.image_size)
     check_global_batch(meta.sizes["train"], cfg.train, world_size)
 
 
@@ -140,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         cmd = torchrun_command(cfg.distributed, nproc, overrides)
         print(" ".join(cmd), flush=True)
         if "--print" not in argv:
-            raise SystemExit(run_forwarding_stops(cmd))
+            _exit(run_forwarding_stops(cmd))
         return
     # GPUs on one host: leased while torchrun runs, so trainings at once split them (ddpipe.hostshare)
     with GpuLease(visible_gpus(), None if cfg.distributed.nproc_per_node == "auto" else nproc) as lease:
@@ -154,6 +157,19 @@ def main(argv: list[str] | None = None) -> None:
         cmd = torchrun_command(cfg.distributed, nproc, overrides)
         print(f"CUDA_VISIBLE_DEVICES={','.join(lease.gpus)} {' '.join(cmd)}", flush=True)
         code = run_forwarding_stops(cmd, {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(lease.gpus)})
+    _exit(code)
+
+
+def _exit(code: int) -> NoReturn:
+    """Exit with torchrun's code. Once stopped (75), later stop signals are ignored: on several nodes the
+    scheduler cancels the other nodes' tasks as soon as one exits (SLURM's srun --kill-on-bad-exit), and
+    that SIGTERM, arriving while this interpreter shuts down, would turn this node's 75 into a kill and
+    the job would not be requeued."""
+    from ddpipe.preemption import EXIT_PREEMPTED, STOP_SIGNALS
+
+    if code == EXIT_PREEMPTED:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
     raise SystemExit(code)
 
 

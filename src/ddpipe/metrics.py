@@ -4,6 +4,7 @@ accuracy over a whole split, and the numbers a finished run reports."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddpipe import distributed as dd
-from ddpipe.data import BatchTransform, InMemoryDataset, eval_loader, real_sample_mask
+from ddpipe.data.loading import real_sample_mask
+from ddpipe.data.transforms import BatchTransform
 from ddpipe.devices import Compute
 from ddpipe.models import predict_logits
 
@@ -80,21 +82,22 @@ class EpochMeter:
 
 
 @torch.no_grad()
-def evaluate_split(model: nn.Module, dataset: InMemoryDataset, transform: BatchTransform, info: dd.DistInfo,
-                   batch_size: int, compute: Compute, flips: bool = False) -> tuple[float, float]:
-    """(mean loss, accuracy) over ``dataset``, spread over the ranks; DistributedSampler's padding
-    repeats are excluded from every count. ``flips``: logits averaged with the mirror image's
-    (``model.eval_flips``, as the evaluate stage and the served model predict)."""
+def evaluate_split(model: nn.Module, batches: Iterable[tuple], n: int, transform: BatchTransform, info: dd.DistInfo,
+                   compute: Compute, flips: bool = False) -> tuple[float, float]:
+    """(mean loss, accuracy) over a split of ``n`` samples, spread over the ranks: ``batches`` is this
+    rank's padded shard (``TrainingData.eval_batches``); the padding repeats are excluded from every
+    count. ``flips``: logits averaged with the mirror image's (``model.eval_flips``, as the evaluate stage
+    and the served model predict)."""
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=info.device)
     seen = 0
-    for images, labels, idx in eval_loader(dataset, batch_size, info.rank, info.world_size, compute.pin_memory):
+    for images, labels, idx in batches:
         x = transform(images.to(info.device, non_blocking=True), idx, None)
         labels = labels.to(info.device, non_blocking=True)
         with compute.autocast():
             logits = predict_logits(model, x, flips)
-        real = real_sample_mask(seen, len(labels), info.rank, info.world_size, len(dataset)).to(info.device)
+        real = real_sample_mask(seen, len(labels), info.rank, info.world_size, n).to(info.device)
         seen += len(labels)
         loss = F.cross_entropy(logits, labels, reduction="none")
         sums += torch.stack([(loss * real).sum().double(),

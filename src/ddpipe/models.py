@@ -137,12 +137,15 @@ def save_model(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, meta: dict
                extra: dict | None = None) -> None:
     """Weights plus what rebuilds the network, its input normalisation and class names
     (``torch.load(weights_only=True)``-loadable). ``meta``: the prepared data's ``meta.json`` fields
-    (``dataclasses.asdict`` of ``ddpipe.data.Prepared``); ``extra`` adds plain values (e.g. the exported epoch)."""
+    (``dataclasses.asdict`` of ``ddpipe.data.store.Prepared``, with ``image_size`` the input the network takes);
+    ``extra`` adds plain values (e.g. the exported epoch). ``encoding`` says how a client's image becomes that
+    input: resized (raw), or centre-cropped and resized (encoded: ``ddpipe.data.transforms.EvalCrop``)."""
     payload = {
         "state_dict": {k: v.detach().cpu().contiguous() for k, v in state_dict.items()},
         "model": asdict(cfg),
         "num_channels": meta["num_channels"], "classes": list(meta["classes"]),
         "mean": list(meta["mean"]), "std": list(meta["std"]), "image_size": list(meta["image_size"]),
+        "encoding": meta["encoding"],
         **(extra or {}),
     }
     atomic_save(path, lambda f: torch.save(payload, f))

@@ -37,7 +37,7 @@ from typing import Any
 
 from ddpipe import __version__
 from ddpipe.config import Config, MlflowConfig, flatten
-from ddpipe.data import Prepared, load_meta
+from ddpipe.data.store import Prepared, load_meta
 from ddpipe.distributed import DistInfo, broadcast_object
 from ddpipe.fsutil import atomic_write_json, atomic_write_text
 from ddpipe.models import save_model

@@ -11,7 +11,7 @@ import inspect
 import itertools
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +23,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddpipe import distributed as dd
 from ddpipe import hostcomm
 from ddpipe.batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
-from ddpipe.checkpoint import Checkpointer, Position, fingerprint
+from ddpipe.checkpoint import Checkpointer, Position, run_fingerprint
 from ddpipe.config import Config, trajectory
-from ddpipe.data import Prepared, TrainingData, steps_per_epoch
-from ddpipe.devices import Compute, deterministic_kernels, device_kind, resolve_auto
+from ddpipe.data.loading import TrainingData, steps_per_epoch
+from ddpipe.data.store import Prepared, load_meta
+from ddpipe.devices import Compute, cpu_count, deterministic_kernels, device_kind, loader_workers, resolve_auto
 from ddpipe.exact import clip_grad_norm_ as exact_clip_grad_norm_
 from ddpipe.exact import make_exact
 from ddpipe.hostshare import HostShare
@@ -50,23 +51,37 @@ class Trainer:
         self.compute = Compute.resolve(tc, info.device)
         deterministic_kernels(info.device)
         self.device = info.device
-        self.data = TrainingData.load(cfg.paths.prepared, tc, cfg.seed, info.rank, info.world_size, self.device,
-                                      self.compute.channels_last, self.compute.pin_memory)
+        meta = load_meta(cfg.paths.prepared)
+        self.num_workers = loader_workers(cfg.data.num_workers, meta.encoding, info.device, self._cores_share())
+        self.data = TrainingData.load(cfg.paths.prepared, meta, tc, cfg.data.image_size, cfg.seed, info.rank,
+                                      info.world_size, self.device, self.compute.channels_last, self.num_workers,
+                                      self.compute.pin_memory)
         # Identical initial weights on every rank. Nothing in training draws from the global RNG after
         # this (augmentation is a hash of seed, epoch and index; the samplers seed their own generators):
         # a layer that did (Dropout) would draw the same numbers on every rank.
         torch.manual_seed(cfg.seed)
         self.module = training_module(cfg, self.data.meta, info, self.compute)
         self.model = wrap(self.module, info, tc.compile)
-        self.steps_per_epoch = steps_per_epoch(len(self.data.train_set), tc, info.world_size)
+        self.steps_per_epoch = steps_per_epoch(self.data.meta.sizes["train"], tc, info.world_size)
         self.effective_lr, self.optimizer, self.scheduler = build_optimization(
             tc, self.module, info.world_size, self.steps_per_epoch, cfg.num_epochs)
         self.scaler = self.compute.grad_scaler()
         self.tracker = make_tracker(cfg.mlflow, info)
         self.selection = ModelSelection(tc)
-        fp = fingerprint({**trajectory(cfg), "world_size": info.world_size, "data": asdict(self.data.meta)})
-        self.checkpointer = Checkpointer(cfg.paths.checkpoints, fp, tc.keep_checkpoints, info)
+        self.checkpointer = Checkpointer(cfg.paths.checkpoints, self._fingerprint(), tc.keep_checkpoints, info)
         self.history: list[dict[str, float]] = []
+
+    def _cores_share(self) -> int:
+        """Cores this rank may use: its CPU threads' share of the host (ddpipe.hostshare), or on CUDA the
+        host's cores over this job's processes on it."""
+        if self.device.type == "cuda":
+            return max(1, cpu_count() // self.info.processes_on_host)
+        return self.share.threads()
+
+    def _fingerprint(self) -> str:
+        """What a checkpoint of this run must match to be resumed (checkpoint.run_fingerprint)."""
+        return run_fingerprint(trajectory(self.cfg), self.derived()["global_batch_size"], self.effective_lr,
+                               asdict(self.data.meta))
 
     def derived(self) -> dict[str, Any]:
         """Values computed from the config and the launch, recorded with the run."""
@@ -82,6 +97,8 @@ class Trainer:
             "channels_last": self.compute.channels_last,
             "num_parameters": sum(p.numel() for p in self.module.parameters()),
             "threads_per_process_at_start": torch.get_num_threads(),
+            "loader_workers": self.num_workers,  # data.num_workers resolved (devices.loader_workers)
+            "input_size": "x".join(map(str, self.data.size)),  # what the network sees (data.image_size resolved)
             # the GPUs this training was given (ddpipe.launch leases them: hostshare.GpuLease)
             "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "all") if self.device.type == "cuda" else "none",
         }
@@ -110,7 +127,7 @@ class Trainer:
         """One epoch from ``start_step``; ``resumed``: what a checkpoint recorded of the steps before it."""
         accum = self.cfg.train.grad_accum_steps
         # set_epoch(epoch): a new shuffle and new shards every epoch; a resumed epoch starts at its step
-        loader = self.data.shards.loader(epoch, start_step * accum, self.steps_per_epoch * accum)
+        loader = self.data.train_batches(epoch, start_step * accum, self.steps_per_epoch * accum)
         meter = EpochMeter(self.device, resumed)
         bar = make_progress(self.info, self.cfg.train.progress_bar, f"epoch {epoch + 1}/{self.cfg.num_epochs}",
                             self.steps_per_epoch, start_step)
@@ -184,8 +201,9 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> tuple[float, float]:
         """Loss and accuracy over the whole validation split, each sample counted exactly once."""
-        return evaluate_split(self.module, self.data.val_set, self.data.transform, self.info,
-                              self.cfg.train.eval_batch_size_per_rank, self.compute, self.cfg.model.eval_flips)
+        batches = self.data.eval_batches("val", self.cfg.train.eval_batch_size_per_rank)
+        return evaluate_split(self.module, batches, self.data.meta.sizes["val"], self.data.transform, self.info,
+                              self.compute, self.cfg.model.eval_flips)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -196,7 +214,8 @@ class Trainer:
     def _save(self, pos: Position, progress: torch.Tensor | None = None) -> None:
         """Checkpoint ``pos``; ``progress``: the epoch's sums and seconds so far, for a mid-epoch one."""
         self.checkpointer.save(pos, self._stateful(), history=self.history, run_id=self.tracker.run_id or "",
-                               epoch_progress=EpochMeter.fresh() if progress is None else progress)
+                               epoch_progress=EpochMeter.fresh() if progress is None else progress,
+                               world_size=self.info.world_size)
 
     def _restore(self) -> tuple[Position, str | None, torch.Tensor]:
         """Where to start, the MLflow run to reopen, and the interrupted epoch's progress."""
@@ -206,9 +225,12 @@ class Trainer:
         pos, state = found
         self.history = list(state["history"])
         done = pos.epoch >= self.cfg.num_epochs or self.selection.should_stop(pos.epoch)
+        was, now = int(state.get("world_size", self.info.world_size)), self.info.world_size
+        moved = f" (checkpointed at world size {was}, now {now}: the same global batch, so the same samples in " \
+            "every step)" if was != now else ""
         dd.print0(f"{self.cfg.paths.checkpoints}: this run's {pos.epoch} epochs are already trained; writing its "
                   "outputs" if done else f"resuming from {self.cfg.paths.checkpoints} at epoch {pos.epoch + 1}, "
-                  f"step {pos.step}", info=self.info)
+                  f"step {pos.step}{moved}", info=self.info)
         return pos, state.get("run_id") or None, state.get("epoch_progress", EpochMeter.fresh())
 
     # -- the start and the end -----------------------------------------------------------------
@@ -227,8 +249,9 @@ class Trainer:
         weights, exported_epoch = self.selection.exported(self.module, len(self.history))
         metrics = final_metrics(self.history, self.selection.best_epoch, self.selection.best_val_accuracy,
                                 exported_epoch, self.info.world_size, self.effective_lr)
-        self.tracker.save_outputs(self.cfg, TrainingOutputs(weights, exported_epoch, metrics, self.history,
-                                                            self.data.meta, self.data.val_set.images[:4]))
+        seen = replace(self.data.meta, image_size=self.data.size)  # the input the saved model takes
+        self.tracker.save_outputs(self.cfg, TrainingOutputs(weights, exported_epoch, metrics, self.history, seen,
+                                                            self.data.examples(4)))
         self.tracker.finish()
         dd.barrier(self.info)
         return metrics
@@ -294,5 +317,7 @@ def train(cfg: Config) -> dict[str, float]:
             raise dd.explain_timeout(exc, info, cfg.distributed.timeout_s) from exc
         raise
     finally:
+        if trainer is not None:
+            trainer.data.loader.close()
         hostcomm.disable()
         dd.cleanup()

@@ -1,27 +1,33 @@
 """Where a dataset's files come from, how they are verified, and how they are parsed.
 
-Order of sources (``fetch``): ``data.source_dir`` if set; the directory Debian's
-``dataset-<name>`` package installs; torchvision's download. Every file is checked against its
-published MD5 before it is used.
+The official datasets (``fetch``): the first of ``data.source_dir`` (when it holds their files), the
+directory Debian's ``dataset-<name>`` package installs, torchvision's download, copied into
+``paths.raw``. Every file is checked against its published MD5 before it is used; ``read_arrays``
+parses them into uint8 arrays ``[N, C, H, W]`` and int64 labels.
 
-Parsing (``load_raw``) turns the fetched files into uint8 arrays ``[N, C, H, W]`` and int64 labels.
+A folder of one's own (``imagefolder``): one sub-folder of images per class, read where it lies
+(``data.source_dir``). The fetch stage only checks it and writes what it found (``source.json``) into
+``paths.raw``; the prepare stage lists it again (:func:`list_imagefolder`) and reads the images.
 """
 
 from __future__ import annotations
 
 import gzip
 import hashlib
+import os
 import pickle
 import shutil
 import tarfile
 import tempfile
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ddpipe.config import DataConfig
-from ddpipe.fsutil import replace_dir
+from ddpipe.data.images import IMAGE_SUFFIXES, is_image_name
+from ddpipe.fsutil import atomic_write_json, replace_dir
 
 # Published MD5s of the official files (the same table torchvision checks).
 # Debian's dataset-fashion-mnist re-gzips the files (new gzip headers, same content), so for
@@ -57,7 +63,6 @@ CLASSES = {
                       "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"],
     "mnist": [str(i) for i in range(10)],
 }
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
 
 # What to do when the fetch stage's output (paths.raw), which prepare reads, is missing or incomplete.
@@ -150,13 +155,15 @@ def _fetch_official(cfg: DataConfig, staging: Path, download_urls: dict[str, lis
     if name in DEBIAN_DIRS:
         candidates.append((f"Debian's dataset-{name.replace('_', '-')} package", Path(DEBIAN_DIRS[name])))
     for label, directory in candidates:
+        if label == "data.source_dir" and not directory.is_dir():
+            raise DataSourceError(f"data.source_dir = {cfg.source_dir!r}: not a directory")
         if _copy_verified(name, directory, staging):
             return f"{label} ({directory})"
-        tried.append(f"{label}: {directory} has no complete copy")
-        if label == "data.source_dir":
+        tried.append(f"{label}: {directory} has no copy")
+        if label == "data.source_dir" and _holds_some(name, directory):
             raise DataSourceError(
-                f"data.source_dir = {cfg.source_dir!r} does not hold the {name} files "
-                f"({', '.join(_expected_names(name))})"
+                f"data.source_dir = {cfg.source_dir!r} holds part of the {name} files; expected all of "
+                f"{', '.join(_expected_names(name))}"
             )
     if not cfg.download:
         raise DataSourceError(_no_data_message(name, tried + ["download: data.download=false"]))
@@ -171,6 +178,11 @@ def _fetch_official(cfg: DataConfig, staging: Path, download_urls: dict[str, lis
         tried.append(f"download failed: {exc}")
         raise DataSourceError(_no_data_message(name, tried)) from exc
     raise DataSourceError(_no_data_message(name, tried + ["download gave incomplete files"]))
+
+
+def _holds_some(name: str, directory: Path) -> bool:
+    names = set(required_files(name)) | {CIFAR_ARCHIVE, CIFAR_FOLDER}
+    return any((directory / n).exists() for n in names)
 
 
 def _expected_names(name: str) -> list[str]:
@@ -252,44 +264,85 @@ def _download(name: str, dest: Path, urls: list[str] | None) -> None:
 
 
 def _fetch_imagefolder(cfg: DataConfig, staging: Path) -> str:
+    """Check the folder where it lies and record what it holds (``source.json``): no copy of the images."""
+    table = list_imagefolder(_folder(cfg))
+    counts = np.bincount(table.labels, minlength=len(table.classes)).tolist()
+    atomic_write_json(staging / "source.json", {
+        "source_dir": str(table.root), "classes": dict(zip(table.classes, counts)), "images": len(table),
+        "not_images": table.not_images})
+    return (f"data.source_dir ({table.root}: {len(table)} images in {len(table.classes)} classes, "
+            f"{table.not_images} other files skipped; read there by the prepare stage)")
+
+
+def _folder(cfg: DataConfig) -> Path:
     if not cfg.source_dir:
         raise DataSourceError(
             "data.dataset = 'imagefolder' needs data.source_dir: a directory with one sub-folder of "
             "images per class (track it with `dvc add`)"
         )
-    root = Path(cfg.source_dir)
-    classes = _image_classes(root, "data.source_dir")
-    for cls in classes:
-        target = staging / cls
-        target.mkdir()
-        for img in sorted((root / cls).iterdir()):
-            if img.suffix.lower() in IMAGE_SUFFIXES:
-                shutil.copyfile(img, target / img.name)
-    return f"data.source_dir ({root})"
+    return Path(cfg.source_dir)
 
 
-def _image_classes(root: Path, key: str) -> list[str]:
-    """The class folders under ``root``, the directory that ``key`` names (for the messages)."""
+@dataclass
+class FileTable:
+    """The images of a class-per-folder directory, in class then path order, without a Python object per
+    file: relative paths packed into one byte array (``names`` split at ``offsets``), labels as int64."""
+
+    root: Path
+    classes: list[str]
+    names: np.ndarray
+    offsets: np.ndarray
+    labels: np.ndarray
+    not_images: int
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def path(self, i: int) -> str:
+        rel = bytes(self.names[self.offsets[i]:self.offsets[i + 1]]).decode("utf-8", "surrogateescape")
+        return str(self.root / self.classes[self.labels[i]] / rel)
+
+
+def list_imagefolder(root: Path, key: str = "data.source_dir") -> FileTable:
+    """Every image under each class folder of ``root`` (sub-folders too, as torchvision's ImageFolder; any
+    suffix case), sorted; other files are counted and skipped. DataSourceError unless there are at least
+    two classes with images."""
     if not root.is_dir():
         raise DataSourceError(f"{key} = {str(root)!r}: not a directory")
-    classes = sorted(
-        d.name for d in root.iterdir()
-        if d.is_dir() and any(p.suffix.lower() in IMAGE_SUFFIXES for p in d.iterdir())
-    )
+    # array('q'): 8 bytes a file, where a list of ints would take 36
+    blob, offsets, labels, classes, not_images = bytearray(), array("q", [0]), array("q"), [], 0
+    for folder in sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith(".")):
+        found = []
+        for parent, dirs, files in os.walk(root / folder):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            rel = os.path.relpath(parent, root / folder)
+            for name in files:
+                if is_image_name(name) and not name.startswith("."):
+                    found.append(name if rel == "." else os.path.join(rel, name))
+                else:
+                    not_images += 1
+        if not found:
+            continue
+        for name in sorted(found):
+            blob += name.encode("utf-8", "surrogateescape")
+            offsets.append(len(blob))
+        labels.extend([len(classes)] * len(found))
+        classes.append(folder)
     if len(classes) < 2:
         raise DataSourceError(
             f"{key} = {str(root)!r}: expected one sub-folder of images per class "
-            f"(at least 2 classes; image suffixes {sorted(IMAGE_SUFFIXES)}), found {classes}"
+            f"(at least 2 classes; image suffixes {sorted(IMAGE_SUFFIXES)}, any case), found {classes}"
         )
-    return classes
+    return FileTable(root, classes, np.frombuffer(bytes(blob), dtype=np.uint8), np.asarray(offsets, dtype=np.int64),
+                     np.asarray(labels, dtype=np.int64), not_images)
 
 
 # ---------------------------------------------------------------------------------------------
 # Parsing the fetched files
 
 
-def load_raw(cfg: DataConfig, raw_dir: Path) -> RawDataset:
-    """Parse the fetch stage's output into arrays (the MNISTs, CIFAR-10 or an image folder)."""
+def read_arrays(cfg: DataConfig, raw_dir: Path) -> RawDataset:
+    """Parse the fetch stage's copy of an official dataset (the MNISTs, CIFAR-10) into arrays."""
     raw_dir = Path(raw_dir)
     if not raw_dir.is_dir():
         raise DataSourceError(f"paths.raw = {str(raw_dir)!r}: not a directory (the fetch stage's output); "
@@ -302,9 +355,7 @@ def load_raw(cfg: DataConfig, raw_dir: Path) -> RawDataset:
             read_idx(raw_dir / "t10k-labels-idx1-ubyte.gz").astype(np.int64),
             list(CLASSES[cfg.dataset]),
         )
-    if cfg.dataset == "cifar10":
-        return read_cifar10(raw_dir)
-    return read_imagefolder(raw_dir, cfg.image_size)
+    return read_cifar10(raw_dir)
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -373,30 +424,3 @@ def read_cifar10(raw_dir: Path) -> RawDataset:
         np.concatenate([t[0] for t in train]), np.concatenate([t[1] for t in train]),
         test_images, test_labels, classes,
     )
-
-
-def read_imagefolder(root: Path, image_size: int) -> RawDataset:
-    """Read class-per-folder images, resized to ``image_size`` squares; grayscale stays 1 channel
-    only when every image is grayscale. The test split is carved later (no official one)."""
-    from PIL import Image
-
-    classes = _image_classes(root, "paths.raw")
-    files = [(p, i) for i, c in enumerate(classes) for p in sorted((root / c).iterdir())
-             if p.suffix.lower() in IMAGE_SUFFIXES]
-    images = []
-    for path, _ in files:
-        try:
-            with Image.open(path) as im:
-                im.load()
-                images.append(im.copy())
-        except Exception as exc:
-            raise DataSourceError(f"{path}: cannot be read as an image ({exc})") from exc
-    mode = "L" if all(im.mode in ("L", "1", "I;16", "I") for im in images) else "RGB"
-    arrays = []
-    for im in images:
-        im = im.convert(mode).resize((image_size, image_size), Image.BILINEAR)
-        a = np.asarray(im, dtype=np.uint8)
-        arrays.append(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))
-    labels = np.array([i for _, i in files], dtype=np.int64)
-    return RawDataset(np.stack(arrays), labels, None, None, classes)
-

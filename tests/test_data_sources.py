@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import gzip
 import http.server
+import json
 import pickle
 import threading
 from pathlib import Path
@@ -13,9 +14,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddpipe import sources
 from ddpipe.config import DataConfig
-from ddpipe.sources import DataSourceError, fetch, load_raw, read_cifar10, read_idx, read_imagefolder, verify_file
+from ddpipe.data import sources
+from ddpipe.data.sources import (
+    DataSourceError,
+    fetch,
+    list_imagefolder,
+    read_arrays,
+    read_cifar10,
+    read_idx,
+    verify_file,
+)
 from tests.conftest import FASHION_DIR, make_cifar_like, make_imagefolder, make_mnist_like, run, write_idx
 
 
@@ -39,7 +48,7 @@ def test_idx_truncated_or_bad_magic_names_the_file(tmp_path: Path) -> None:
 
 def test_mnist_format_parses(tmp_path: Path) -> None:
     make_mnist_like(tmp_path, n_train=30, n_test=10)
-    raw = load_raw(DataConfig(dataset="mnist"), tmp_path)
+    raw = read_arrays(DataConfig(dataset="mnist"), tmp_path)
     assert raw.train_images.shape == (30, 1, 28, 28) and raw.train_images.dtype == np.uint8
     assert raw.test_labels.shape == (10,) and raw.test_labels.dtype == np.int64
     assert raw.classes == [str(i) for i in range(10)]
@@ -66,35 +75,51 @@ def test_cifar_pickle_with_code_is_refused(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("mode, channels", [("RGB", 3), ("L", 1)])
-def test_imagefolder_parses_and_resizes(tmp_path: Path, mode: str, channels: int) -> None:
-    make_imagefolder(tmp_path, per_class=4, mode=mode, size=20)
-    raw = read_imagefolder(tmp_path, image_size=16)
-    assert raw.classes == ["cat", "dog", "fox"]
-    assert raw.train_images.shape == (12, channels, 16, 16) and raw.test_images is None
-    assert sorted(np.bincount(raw.train_labels)) == [4, 4, 4]
+def test_imagefolder_is_listed_in_class_then_path_order_without_other_files(tmp_path: Path) -> None:
+    make_imagefolder(tmp_path, per_class=3, size=20)
+    (tmp_path / "dog" / "extra").mkdir()
+    (tmp_path / "dog" / "A.PNG").write_bytes((tmp_path / "dog" / "0.png").read_bytes())
+    (tmp_path / "dog" / "extra" / "b.JPeG").write_bytes(b"not checked here")
+    (tmp_path / "cat" / "notes.txt").write_text("x")
+    (tmp_path / "cat" / ".DS_Store").write_bytes(b"x")
+    (tmp_path / "empty").mkdir()
+    table = list_imagefolder(tmp_path)
+    assert table.classes == ["cat", "dog", "fox"] and table.not_images == 2
+    assert [Path(table.path(i)).relative_to(tmp_path).as_posix() for i in range(len(table))] == [
+        "cat/0.png", "cat/1.png", "cat/2.png", "dog/0.png", "dog/1.png", "dog/2.png", "dog/A.PNG",
+        "dog/extra/b.JPeG", "fox/0.png", "fox/1.png", "fox/2.png"]
+    assert table.labels.tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2]
+
+
+def test_fetch_of_a_folder_checks_it_and_copies_nothing(tmp_path: Path) -> None:
+    src = make_imagefolder(tmp_path / "imgs", per_class=4)
+    origin = fetch(DataConfig(dataset="imagefolder", source_dir=str(src)), tmp_path / "raw")
+    assert "12 images in 3 classes" in origin
+    assert [p.name for p in (tmp_path / "raw").iterdir()] == ["source.json"]
+    assert json.loads((tmp_path / "raw" / "source.json").read_text())["classes"] == {"cat": 4, "dog": 4, "fox": 4}
 
 
 def test_imagefolder_needs_class_folders(tmp_path: Path) -> None:
-    with pytest.raises(DataSourceError, match="needs data.source_dir"):
-        fetch(DataConfig(dataset="imagefolder"), tmp_path / "out")
+    with pytest.raises(DataSourceError, match="data.source_dir = 'data/source': expected one sub-folder"):
+        fetch(DataConfig(dataset="imagefolder"), tmp_path / "out")  # the default: the repository's data/source
     with pytest.raises(DataSourceError, match="data.source_dir = '.*nowhere': not a directory"):
         fetch(DataConfig(dataset="imagefolder", source_dir=str(tmp_path / "nowhere")), tmp_path / "out")
     (tmp_path / "flat").mkdir()
     with pytest.raises(DataSourceError, match="one sub-folder of images per class"):
         fetch(DataConfig(dataset="imagefolder", source_dir=str(tmp_path / "flat")), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 REMEDY = "run the fetch stage first: `dvc repro fetch` or `python stages/fetch.py`"
 
 
-@pytest.mark.parametrize("dataset", ["fashion_mnist", "cifar10", "imagefolder"])
+@pytest.mark.parametrize("dataset", ["fashion_mnist", "cifar10"])
 def test_reading_before_fetch_names_paths_raw_and_the_remedy(tmp_path: Path, dataset: str) -> None:
     """On a fresh clone the fetch stage's output does not exist yet: name the key, the directory and
     what to run (not data.source_dir, which only the fetch stage reads)."""
     missing = tmp_path / "raw"
     with pytest.raises(DataSourceError) as err:
-        load_raw(DataConfig(dataset=dataset), missing)
+        read_arrays(DataConfig(dataset=dataset), missing)
     assert str(err.value) == f"paths.raw = {str(missing)!r}: not a directory (the fetch stage's output); {REMEDY}"
 
 
@@ -102,7 +127,7 @@ def test_a_file_missing_from_the_fetch_output_is_named_with_the_remedy(tmp_path:
     make_mnist_like(tmp_path, n_train=30, n_test=10)
     (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()
     with pytest.raises(DataSourceError) as err:
-        load_raw(DataConfig(dataset="mnist"), tmp_path)
+        read_arrays(DataConfig(dataset="mnist"), tmp_path)
     assert str(err.value) == f"{tmp_path / 't10k-labels-idx1-ubyte.gz'}: missing; {REMEDY}"
 
 
@@ -120,6 +145,23 @@ def test_checksum_mismatch_names_the_file(tmp_path: Path) -> None:
         fetch(DataConfig(dataset="mnist", source_dir=str(tmp_path / "src")), tmp_path / "out")
     assert "train-images-idx3-ubyte.gz: checksum mismatch" in str(err.value)
     assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_source_dir_is_searched_first_then_the_next_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          accept_test_checksums) -> None:
+    """data.source_dir (a dependency, so always a real directory) is looked in first: holding none of the
+    files it is passed over, holding some of them is an error naming what is missing."""
+    debian = make_mnist_like(tmp_path / "debian")
+    accept_test_checksums("mnist", debian)
+    monkeypatch.setattr(sources, "DEBIAN_DIRS", {"mnist": str(debian)})
+    (tmp_path / "empty").mkdir()
+    origin = fetch(DataConfig(dataset="mnist", source_dir=str(tmp_path / "empty")), tmp_path / "out")
+    assert origin.startswith("Debian's dataset-mnist package")
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "train-images-idx3-ubyte.gz").write_bytes((debian / "train-images-idx3-ubyte.gz").read_bytes())
+    with pytest.raises(DataSourceError, match="holds part of the mnist files; expected all of"):
+        fetch(DataConfig(dataset="mnist", source_dir=str(partial)), tmp_path / "out2")
 
 
 def test_fetch_from_source_dir_copies_verified_files(tmp_path: Path, accept_test_checksums) -> None:
@@ -179,7 +221,7 @@ def test_download_path_with_local_mirror(tmp_path: Path, local_server, accept_te
     monkeypatch.setattr(sources, "DEBIAN_DIRS", {})
     origin = fetch(DataConfig(dataset="mnist"), tmp_path / "out", download_urls={"mnist": [url]})
     assert origin == "torchvision's download"
-    assert load_raw(DataConfig(dataset="mnist"), tmp_path / "out").train_images.shape[0] == 200
+    assert read_arrays(DataConfig(dataset="mnist"), tmp_path / "out").train_images.shape[0] == 200
 
 
 def test_download_failure_is_reported_with_the_ways(tmp_path: Path, local_server,

@@ -1,0 +1,244 @@
+"""What a rank reads: its shard of each epoch's shuffled order, and one DataLoader that serves it.
+
+Order. An epoch's order is DistributedSampler's (``shuffle``, ``drop_last``: a permutation seeded by seed
++ epoch; rank ``r`` of ``W`` takes every ``W``-th sample from ``r``), cut into batches of
+``batch_size_per_rank``, kept as one index tensor rather than a Python object per sample. Step ``s``'s
+global batch is then positions ``[s*B*W, (s+1)*B*W)`` of the permutation at every world size with the same
+global batch, so a run stopped at 2 processes can resume at 1 and take the same samples in every step.
+
+Loading. One DataLoader per rank serves training batches and evaluation batches alike (:class:`Plan`
+says which before each pass), with persistent workers that decode and crop encoded images
+(:mod:`ddpipe.data.transforms`) from the memory-mapped store (:mod:`ddpipe.data.store`); pinned on
+CUDA. A batch of raw images is one gather from the memory map (no workers by default). What a worker
+does with a sample depends only on (seed, epoch, sample index), so workers, prefetching and resumes
+never change a step.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+from ddpipe.config import ConfigError, TrainConfig
+from ddpipe.data.store import EncodedSplit, Prepared, RawSplit, open_split
+from ddpipe.data.transforms import DEFAULT_ENCODED_SIZE, BatchTransform, EvalCrop, TrainCrop, decode
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """One batch to serve: samples ``indices`` of ``split``, in the training view of ``epoch`` (None:
+    the evaluation view)."""
+
+    split: str
+    epoch: int | None
+    indices: torch.Tensor
+
+
+def input_size(meta: Prepared, image_size: int | None) -> list[int]:
+    """[H, W] the network sees: encoded images are cropped to ``data.image_size`` (null: 224); raw images
+    keep their stored size, which ``data.image_size`` may only repeat (ConfigError otherwise)."""
+    if meta.encoding == "encoded":
+        side = image_size or DEFAULT_ENCODED_SIZE
+        return [side, side]
+    stored = list(meta.image_size or [])
+    if image_size is not None and [image_size, image_size] != stored:
+        raise ConfigError(f"data.image_size = {image_size} is not accepted for the prepared raw images of "
+                          f"{stored[0]}x{stored[1]} px (meta.json encoding 'raw'); accepted: null or {stored[0]} "
+                          "when square, or prepare them with data.encoding=encoded")
+    return stored
+
+
+class Splits(Dataset):
+    """The prepared splits a loader reads, memory-mapped; ``__getitems__(key)`` gives a batch as
+    (uint8 images ``[B, C, H, W]``, int64 labels, int64 sample indices)."""
+
+    def __init__(self, prepared_dir: str | Path, meta: Prepared, names: tuple[str, ...], size: list[int],
+                 train_crop: TrainCrop | None = None) -> None:
+        self.stored = {name: open_split(prepared_dir, name, meta) for name in names}
+        self.channels, self.size, self.train_crop = meta.num_channels, list(size), train_crop
+        self.eval_crop = EvalCrop(size[0])
+
+    def __len__(self) -> int:
+        return len(next(iter(self.stored.values())))
+
+    def __getitem__(self, key: BatchKey) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.__getitems__(key)
+
+    def __getitems__(self, key: BatchKey) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        split, idx = self.stored[key.split], key.indices.numpy()
+        labels = torch.from_numpy(np.asarray(split.labels[idx]))
+        if isinstance(split, RawSplit):
+            images = torch.from_numpy(split.pixels(idx))
+        else:
+            images = _batch_buffer((len(idx), self.channels, *self.size))
+            for k, i in enumerate(idx):
+                images[k] = self._view(split, int(i), key.epoch)
+        return images, labels, key.indices
+
+    def _view(self, split: EncodedSplit, i: int, epoch: int | None) -> torch.Tensor:
+        image = decode(split.blob(i), self.channels)
+        if epoch is None or self.train_crop is None:
+            return self.eval_crop(image)
+        return self.train_crop(image, i, epoch)
+
+
+def _batch_buffer(shape: tuple[int, ...]) -> torch.Tensor:
+    """A uint8 batch to fill; in a loader worker, in shared memory already, so that handing it to the training
+    process is no copy (what torch's default_collate does for the same reason)."""
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=torch.uint8)
+    numel = 1
+    for d in shape:
+        numel *= d
+    storage = torch.UntypedStorage._new_shared(numel)
+    return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+
+
+class Plan:
+    """The batch sampler of a rank's one DataLoader: the keys of the next pass, set before each one (the
+    DataLoader re-reads it at every ``iter``, persistent workers included)."""
+
+    def __init__(self) -> None:
+        self.keys: list[BatchKey] = []
+
+    def __iter__(self) -> Iterator[BatchKey]:
+        return iter(self.keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """worker_init_fn: a scheduler's stop signal reaches the whole process group, loader workers too
+    (torchrun signals each worker's group), and torch's worker handler exits on SIGTERM, failing the very
+    step the training process is checkpointing. The training process decides how to stop (ddpipe.preemption)
+    and ends its workers itself; a worker whose training process died exits on its own (torch's watchdog)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _keep_batch(batch: tuple) -> tuple:
+    """collate_fn: ``__getitems__`` already returns a batch."""
+    return batch
+
+
+class Loader:
+    """One DataLoader over :class:`Splits` for a rank: ``serve(keys)`` yields those batches in order."""
+
+    def __init__(self, splits: Splits, num_workers: int, pin_memory: bool) -> None:
+        self.splits, self.plan = splits, Plan()
+        self.loader = DataLoader(splits, batch_sampler=self.plan, collate_fn=_keep_batch, num_workers=num_workers,
+                                 pin_memory=pin_memory, persistent_workers=num_workers > 0,
+                                 worker_init_fn=_ignore_stop_signals if num_workers > 0 else None,
+                                 prefetch_factor=2 if num_workers > 0 else None)
+
+    def serve(self, keys: list[BatchKey]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        self.plan.keys = keys
+        yield from self.loader
+
+    def close(self) -> None:
+        """Stop the persistent workers (they would otherwise outlive the training loop until exit)."""
+        iterator = getattr(self.loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        self.loader._iterator = None
+
+
+class TrainOrder:
+    """This rank's batches of each epoch of a split of ``n`` samples, as DistributedSampler(shuffle=True,
+    drop_last=True, seed) and BatchSampler(drop_last=True) would give them, as one tensor."""
+
+    def __init__(self, n: int, batch_size: int, rank: int, world_size: int, seed: int) -> None:
+        self.n, self.batch_size, self.rank, self.world_size, self.seed = n, batch_size, rank, world_size, seed
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank."""
+        return self.n // self.world_size // self.batch_size
+
+    def batches(self, epoch: int) -> torch.Tensor:
+        """``[len(self), batch_size]`` sample indices of ``epoch`` (a new shuffle and shards every epoch)."""
+        g = torch.Generator()
+        g.manual_seed(self.seed + epoch)
+        perm = torch.randperm(self.n, generator=g)
+        mine = perm[self.rank:(self.n // self.world_size) * self.world_size:self.world_size]
+        return mine[:len(self) * self.batch_size].view(len(self), self.batch_size)
+
+
+def eval_batches(n: int, batch_size: int, rank: int, world_size: int) -> list[torch.Tensor]:
+    """This rank's batches of an evaluation split of ``n``, as DistributedSampler(shuffle=False) shards it:
+    padded to equal shards with repeats, which :func:`real_sample_mask` excludes from the counts."""
+    total = -(-n // world_size) * world_size
+    mine = torch.arange(rank, total, world_size) % max(n, 1)
+    return list(mine.split(batch_size)) if n else []
+
+
+def real_sample_mask(first_position: int, batch_len: int, rank: int, world_size: int, n: int) -> torch.Tensor:
+    """True for this batch's samples that are not DistributedSampler's padding: rank ``r``'s
+    ``j``-th sample is global position ``r + j * world_size``, padding when that is >= n."""
+    positions = rank + (first_position + torch.arange(batch_len)) * world_size
+    return positions < n
+
+
+def steps_per_epoch(num_samples: int, cfg: TrainConfig, world_size: int) -> int:
+    """Optimizer steps in an epoch of ``num_samples`` (each rank's shard, its full batches, then
+    ``grad_accum_steps`` of them a step, as :class:`TrainOrder` serves them)."""
+    return num_samples // world_size // cfg.batch_size_per_rank // cfg.grad_accum_steps
+
+
+def check_global_batch(num_samples: int, cfg: TrainConfig, world_size: int) -> None:
+    """ConfigError unless an epoch of ``num_samples`` has at least one optimizer step."""
+    if steps_per_epoch(num_samples, cfg, world_size) < 1:
+        raise ConfigError(
+            f"train.grad_accum_steps = {cfg.grad_accum_steps} x train.batch_size_per_rank = "
+            f"{cfg.batch_size_per_rank} x {world_size} process(es) exceeds the training split "
+            f"({num_samples} samples); accepted: a global batch no larger than the split")
+
+
+@dataclass
+class TrainingData:
+    """What a training reads, for one rank: ``meta.json``, the size the network sees, this rank's order of
+    the training split, its DataLoader (training and validation batches), and the batch transform."""
+
+    meta: Prepared
+    size: list[int]
+    order: TrainOrder
+    loader: Loader
+    transform: BatchTransform
+    rank: int
+    world_size: int
+
+    @classmethod
+    def load(cls, prepared_dir: str | Path, meta: Prepared, cfg: TrainConfig, image_size: int | None, seed: int,
+             rank: int, world_size: int, device: torch.device, channels_last: bool, num_workers: int,
+             pin_memory: bool) -> TrainingData:
+        size = input_size(meta, image_size)
+        check_global_batch(meta.sizes["train"], cfg, world_size)
+        raw = meta.encoding == "raw"
+        crop = None if raw else TrainCrop(size[0], cfg.min_crop_scale, cfg.hflip, seed)
+        splits = Splits(prepared_dir, meta, ("train", "val"), size, crop)
+        transform = BatchTransform(meta.mean, meta.std, cfg.random_crop_padding if raw else 0, cfg.hflip and raw,
+                                   seed, device, channels_last)
+        order = TrainOrder(meta.sizes["train"], cfg.batch_size_per_rank, rank, world_size, seed)
+        return cls(meta, size, order, Loader(splits, num_workers, pin_memory), transform, rank, world_size)
+
+    def train_batches(self, epoch: int, start: int = 0, stop: int | None = None) -> Iterator[tuple]:
+        """Batches ``start:stop`` of ``epoch`` on this rank (a resumed epoch starts at its checkpointed step)."""
+        keys = [BatchKey("train", epoch, b) for b in self.order.batches(epoch)[start:stop]]
+        return self.loader.serve(keys)
+
+    def eval_batches(self, split: str, batch_size: int) -> Iterator[tuple]:
+        """This rank's padded shard of ``split`` (``val``) in the evaluation view."""
+        n = self.meta.sizes[split]
+        return self.loader.serve([BatchKey(split, None, b) for b in eval_batches(n, batch_size, self.rank,
+                                                                                   self.world_size)])
+
+    def examples(self, count: int) -> torch.Tensor:
+        """The first ``count`` validation images as the network sees them in evaluation (uint8)."""
+        n = min(count, self.meta.sizes["val"])
+        return self.loader.splits.__getitems__(BatchKey("val", None, torch.arange(n)))[0]

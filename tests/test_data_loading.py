@@ -1,0 +1,155 @@
+"""What a rank reads: DistributedSampler's order kept as one tensor, every sample counted once in evaluation,
+keyed augmentation, and a DataLoader whose workers never change a batch."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DistributedSampler
+
+from bench.imageset import generate
+from ddpipe.config import ConfigError, DataConfig, TrainConfig
+from ddpipe.data.loading import BatchKey, Splits, TrainingData, TrainOrder, eval_batches, input_size, real_sample_mask
+from ddpipe.data.prepare import prepare
+from ddpipe.data.store import load_meta
+from ddpipe.data.transforms import BatchTransform, EvalCrop, TrainCrop, decode
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("n, world, batch", [(100, 2, 8), (101, 2, 8), (97, 3, 4), (64, 1, 16)])
+def test_train_order_is_distributed_samplers(n: int, world: int, batch: int) -> None:
+    for rank in range(world):
+        order = TrainOrder(n, batch, rank, world, seed=5)
+        sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True, seed=5, drop_last=True)
+        for epoch in (0, 3):
+            sampler.set_epoch(epoch)
+            expected = list(BatchSampler(sampler, batch, drop_last=True))
+            assert order.batches(epoch).tolist() == expected and len(order) == len(expected)
+
+
+def test_a_steps_global_batch_is_the_same_at_every_world_size() -> None:
+    two = [TrainOrder(100, 8, rank, 2, seed=0).batches(0) for rank in range(2)]
+    one = TrainOrder(100, 16, 0, 1, seed=0).batches(0)
+    assert len(one) == len(two[0]) == 6
+    for step in range(6):
+        assert set(one[step].tolist()) == set(two[0][step].tolist()) | set(two[1][step].tolist())
+    flat = torch.cat([two[0].flatten(), two[1].flatten()])
+    assert len(set(flat.tolist())) == 96  # no sample twice in an epoch
+    assert not torch.equal(TrainOrder(100, 16, 0, 1, seed=0).batches(1), one)  # a new shuffle each epoch
+
+
+@pytest.mark.parametrize("n, world", [(10, 3), (7, 2), (5, 4), (12, 1)])
+def test_eval_shards_count_every_sample_exactly_once(n: int, world: int) -> None:
+    counted = []
+    for rank in range(world):
+        seen = 0
+        for idx in eval_batches(n, 2, rank, world):
+            mask = real_sample_mask(seen, len(idx), rank, world, n)
+            counted += idx[mask].tolist()
+            seen += len(idx)
+    assert sorted(counted) == list(range(n))
+
+
+def test_augmentation_depends_on_sample_and_epoch_not_on_batch() -> None:
+    images = torch.randint(0, 255, (6, 1, 12, 12), dtype=torch.uint8)
+    t = BatchTransform([0.5], [0.25], crop_padding=2, hflip=True, seed=3, device=CPU, channels_last=False)
+    idx = torch.tensor([10, 11, 12, 13, 14, 15])
+    full = t(images, idx, epoch=1)
+    part = t(images[[4, 1]], idx[[4, 1]], epoch=1)  # other batch, other order, same samples
+    assert torch.equal(part, full[[4, 1]])
+    assert not torch.equal(t(images, idx, epoch=2), full)
+    assert not torch.equal(full, t(images, idx, epoch=None))
+    plain = t(images, idx, epoch=None)
+    np.testing.assert_allclose(plain.numpy(), ((images.float() / 255 - 0.5) / 0.25).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_augmentation_keeps_images_with_zero_padding() -> None:
+    images = torch.full((64, 1, 8, 8), 200, dtype=torch.uint8)
+    t = BatchTransform([0.0], [1.0], crop_padding=2, hflip=False, seed=0, device=CPU, channels_last=True)
+    out = t(images, torch.arange(64), epoch=0)
+    assert out.shape == (64, 1, 8, 8) and out.is_contiguous(memory_format=torch.channels_last)
+    shifted = (out != out[0:1].max()).flatten(1).any(1)
+    assert 0 < shifted.sum() < 64  # most crops move, the centred one does not
+
+
+def test_random_resized_crops_are_keyed_by_seed_epoch_and_index() -> None:
+    image = torch.randint(0, 256, (3, 300, 200), dtype=torch.uint8)
+    crop = TrainCrop(64, 0.08, hflip=True, seed=1)
+    a = crop(image, 7, 2)
+    assert a.shape == (3, 64, 64) and a.dtype == torch.uint8
+    assert torch.equal(a, crop(image, 7, 2))
+    assert not torch.equal(a, crop(image, 8, 2)) and not torch.equal(a, crop(image, 7, 3))
+    assert not torch.equal(a, TrainCrop(64, 0.08, hflip=True, seed=2)(image, 7, 2))
+    centre = EvalCrop(64)(image)  # the centre square of 0.875 of the shorter side: 175 x 175
+    assert centre.shape == (3, 64, 64) and torch.equal(centre, EvalCrop(64)(image.clone()))
+
+
+@pytest.fixture(scope="module")
+def encoded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("enc")
+    cfg = DataConfig(dataset="imagefolder", source_dir=str(generate(base / "imgs", 90, 3)), val_fraction=0.2)
+    prepare(cfg, 0, base / "raw", base / "prepared", workers=1)
+    return base / "prepared"
+
+
+def _data(prepared: Path, workers: int, rank: int = 0, world: int = 1, batch: int = 8) -> TrainingData:
+    cfg = replace(TrainConfig(), batch_size_per_rank=batch)
+    return TrainingData.load(prepared, load_meta(prepared), cfg, 48, 4, rank, world, CPU, False, workers, False)
+
+
+def test_loader_workers_never_change_a_batch(encoded: Path) -> None:
+    """The same batches, bit for bit, decoded in the training process or in 2 persistent workers, across
+    epochs, with validation passes between them, and from a resumed step."""
+    plain, workers = _data(encoded, 0), _data(encoded, 2)
+    try:
+        for epoch in (0, 1):
+            a, b = list(plain.train_batches(epoch)), list(workers.train_batches(epoch))
+            assert len(a) == len(b) == len(plain.order)
+            for x, y in zip(a, b):
+                assert all(torch.equal(u, v) for u, v in zip(x, y))
+            va, vb = list(plain.eval_batches("val", 5)), list(workers.eval_batches("val", 5))
+            assert all(torch.equal(x[0], y[0]) for x, y in zip(va, vb))
+        resumed = list(workers.train_batches(1, start=2))
+        assert all(torch.equal(x[0], y[0]) for x, y in zip(resumed, list(plain.train_batches(1))[2:]))
+        assert a[0][0].shape == (8, 3, 48, 48) and a[0][0].dtype == torch.uint8
+    finally:
+        workers.loader.close()
+
+
+def test_a_sample_looks_the_same_on_any_rank_and_world_size(encoded: Path) -> None:
+    one = _data(encoded, 0, batch=8)
+    two = [_data(encoded, 0, rank=r, world=2, batch=4) for r in range(2)]
+    views = {}
+    for data in (two[0], two[1]):
+        for images, _, idx in data.train_batches(0):
+            views.update({int(i): img for i, img in zip(idx, images)})
+    for images, _, idx in one.train_batches(0):
+        for i, img in zip(idx.tolist(), images):
+            assert torch.equal(views[i], img)
+
+
+def test_the_splits_pickle_as_paths_not_data(encoded: Path) -> None:
+    """A spawned worker maps the files itself: what crosses to it does not grow with the dataset."""
+    splits = Splits(encoded, load_meta(encoded), ("train", "val"), [48, 48])
+    blob = pickle.dumps(splits)
+    assert len(blob) < 2000
+    again = pickle.loads(blob)
+    key = BatchKey("val", None, torch.arange(3))
+    assert torch.equal(again.__getitems__(key)[0], splits.__getitems__(key)[0])
+    first = decode(splits.stored["val"].blob(0), 3)
+    assert torch.equal(splits.__getitems__(key)[0][0], EvalCrop(48)(first))
+
+
+def test_input_size_follows_the_encoding(encoded: Path) -> None:
+    meta = load_meta(encoded)
+    assert input_size(meta, None) == [224, 224] and input_size(meta, 96) == [96, 96]
+    raw = replace(meta, encoding="raw", image_size=[28, 28])
+    assert input_size(raw, None) == [28, 28] and input_size(raw, 28) == [28, 28]
+    with pytest.raises(ConfigError, match="data.image_size = 32 is not accepted for the prepared raw images of 28x28"):
+        input_size(raw, 32)
