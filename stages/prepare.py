@@ -3,6 +3,7 @@
     python stages/prepare.py [key=value ...]     e.g. data.val_fraction=0.2
 """
 
+import time
 from pathlib import Path
 
 from ddpipe.cli import run_stage
@@ -13,12 +14,15 @@ from ddpipe.data.store import PreparedDataError
 
 
 def main(cfg: Config) -> None:
+    started = time.perf_counter()
     result = prepare(cfg.data, cfg.seed, Path(cfg.paths.raw), Path(cfg.paths.prepared))
+    seconds = time.perf_counter() - started
     sizes = ", ".join(f"{k} {v}" for k, v in result.sizes.items())
     stored = f"raw {result.image_size[0]}x{result.image_size[1]}" if result.image_size else \
         f"encoded, longer side at most {result.max_side} px"
     print(f"prepared {cfg.data.dataset} into {cfg.paths.prepared} ({stored}): {sizes}; {len(result.classes)} "
-          f"classes; mean {[round(m, 4) for m in result.mean]}, std {[round(s, 4) for s in result.std]}")
+          f"classes; mean {[round(m, 4) for m in result.mean]}, std {[round(s, 4) for s in result.std]}; "
+          f"{seconds:.1f} s")
 
 
 if __name__ == "__main__":

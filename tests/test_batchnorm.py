@@ -187,3 +187,26 @@ def test_cpu_sync_batchnorm_is_plain_batchnorm_outside_a_group_and_in_eval() -> 
     model.eval()
     synced.eval()
     torch.testing.assert_close(synced(x), model(x))
+
+
+def _steps_leave_no_cycles(rank: int, world: int) -> None:
+    import gc
+
+    torch.manual_seed(0)
+    model = convert_sync_batchnorm(ResNetSmall(1, 10, 4), torch.device("cpu"))
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(5):
+            model(torch.randn(8, 1, 28, 28)).sum().backward()
+        cycles = gc.collect()
+    finally:
+        gc.enable()
+    assert cycles == 0, f"{cycles} objects of the steps were left in reference cycles"
+
+
+def test_a_step_frees_its_graph_without_the_cyclic_collector() -> None:
+    """A training step's graph (with every activation it saved) must be freed as soon as the step ends: kept
+    in a reference cycle, it waits for Python's cyclic GC, and a 2-process training grew by about 2 MB a step
+    (1.2 GB in 3 Fashion-MNIST epochs) until one ran."""
+    spawn(_steps_leave_no_cycles, 2)

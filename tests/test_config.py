@@ -74,7 +74,7 @@ def test_string_numbers_are_accepted() -> None:
     ("data.val_fraction=abc", "data.val_fraction", "a number"),
     ("data.max_train_samples=0", "data.max_train_samples", ">= 1"),
     ("train.batch_size_per_rank=0", "train.batch_size_per_rank", "a positive integer or auto"),
-    ("train.eval_batch_size_per_rank=-1", "train.eval_batch_size_per_rank", ">= 1"),
+    ("train.eval_batch_size_per_rank=-1", "train.eval_batch_size_per_rank", "a positive integer or auto"),
     ("train.base_lr=0", "train.base_lr", "> 0.0"),
     ("train.base_lr=-0.1", "train.base_lr", "> 0.0"),
     ("train.grad_accum_steps=0", "train.grad_accum_steps", ">= 1"),

@@ -54,6 +54,7 @@ def test_auto_model_and_batch_follow_the_device(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(devices, "cpu_has_amx", lambda: amx)
     cfg = devices.resolve_auto(load_config([]), torch.device(device))  # params.yaml: both auto
     assert (cfg.model.name, cfg.train.batch_size_per_rank) == expected
+    assert cfg.train.eval_batch_size_per_rank == 2 * expected[1]  # auto: twice the training batch
 
 
 def test_explicit_model_and_batch_are_kept_on_every_device() -> None:
@@ -63,3 +64,7 @@ def test_explicit_model_and_batch_are_kept_on_every_device() -> None:
         assert (resolved.model.name, resolved.train.batch_size_per_rank) == ("seed_cnn", 32)
     mixed = devices.resolve_auto(load_config(["train.batch_size_per_rank=48"]), CPU)
     assert mixed.train.batch_size_per_rank == 48 and mixed.model.name != "auto"
+    assert mixed.train.eval_batch_size_per_rank == 96
+    fixed = load_config(["train.eval_batch_size_per_rank=1000"])
+    assert devices.resolve_auto(fixed, CPU).train.eval_batch_size_per_rank == 1000
+    assert devices.eval_batch_size(fixed.train, CPU) == 1000

@@ -101,7 +101,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         y = torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
         invstd = torch.rsqrt(var64 + eps).float()
         ctx.save_for_backward(x, weight, mean, invstd)
-        ctx.total, ctx.eps = total, eps
+        # A copy: an output kept on ctx itself (not through save_for_backward) makes a reference cycle, output ->
+        # its grad_fn -> ctx -> output, that only Python's cyclic GC frees, with every saved activation of the
+        # step: 2-process trainings grew by about 2 MB per step until a collection (1.2 GB in 3 epochs here)
+        ctx.total, ctx.eps = total.clone(), eps
         return y, mean, var, total
 
     @staticmethod

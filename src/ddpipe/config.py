@@ -138,7 +138,11 @@ class TrainConfig:
         "auto", "Training micro-batch per process: an int, or auto (the device's default, with model.name's).",
         int_or=("auto",),
     )
-    eval_batch_size_per_rank: int = param(1000, "Validation/test batch per process.", ge=1, trajectory=False)
+    eval_batch_size_per_rank: str = param(
+        "auto", "Validation/test batch per process: an int, or auto (twice batch_size_per_rank: evaluation keeps no "
+        "gradients, so its memory stays below the training step's, whatever the image size).", int_or=("auto",),
+        trajectory=False,
+    )
     precision: str = param(
         "auto", "auto: bf16 where the device runs it fast, else fp32. fp16 needs CUDA.",
         choices=("auto", "fp32", "bf16", "fp16"),

@@ -55,15 +55,25 @@ def device_kind(device: torch.device) -> str:
 
 def resolve_auto(cfg: Config, device: torch.device) -> Config:
     """``cfg`` with ``model.name`` and ``train.batch_size_per_rank`` made concrete for ``device`` (auto:
-    :data:`AUTO_CHOICES`; an explicit value is kept, as an int for the batch). The one place where
+    :data:`AUTO_CHOICES`; an explicit value is kept, as an int for the batch), and
+    ``train.eval_batch_size_per_rank`` (auto: twice the training batch). The one place where
     the network depends on the device; the training logs the result as its parameters."""
     name, batch = AUTO_CHOICES[device_kind(device)]
     requested = cfg.train.batch_size_per_rank
     return replace(
         cfg,
         model=replace(cfg.model, name=name) if cfg.model.name == "auto" else cfg.model,
-        train=replace(cfg.train, batch_size_per_rank=batch if requested == "auto" else int(requested)),
+        train=replace(cfg.train, batch_size_per_rank=batch if requested == "auto" else int(requested),
+                      eval_batch_size_per_rank=eval_batch_size(cfg.train, device)),
     )
+
+
+def eval_batch_size(cfg: TrainConfig, device: torch.device) -> int:
+    """``train.eval_batch_size_per_rank`` for ``device``: auto is twice the training batch (itself auto or not)."""
+    if cfg.eval_batch_size_per_rank != "auto":
+        return int(cfg.eval_batch_size_per_rank)
+    requested = cfg.batch_size_per_rank
+    return 2 * (AUTO_CHOICES[device_kind(device)][1] if requested == "auto" else int(requested))
 
 
 def loader_workers(setting: str, encoding: str, device: torch.device, cores: int) -> int:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ddpipe.config import Config
 from ddpipe.data.loading import BatchKey, Loader, Splits
 from ddpipe.data.store import PreparedDataError, load_meta
-from ddpipe.devices import cpu_count, loader_workers
+from ddpipe.devices import cpu_count, eval_batch_size, loader_workers
 from ddpipe.fsutil import atomic_open, atomic_write_json, atomic_write_text
 from ddpipe.inference import ImageClassifier
 from ddpipe.tracking import RunLogger
@@ -51,7 +51,7 @@ def evaluate(cfg: Config) -> dict:
     torch.set_num_threads(cpu_count())
     classifier = ImageClassifier.load(cfg.paths.model)
     test = TestSplit(cfg, classifier)
-    labels, preds, loss = test.predict(classifier, cfg.train.eval_batch_size_per_rank)
+    labels, preds, loss = test.predict(classifier, eval_batch_size(cfg.train, torch.device("cpu")))  # it runs there
     classes = classifier.classes
     m = classification_metrics(labels, preds, classes)
     metrics = {"test": {"accuracy": m["accuracy"], "macro_f1": m["macro_f1"], "loss": loss,
