@@ -233,6 +233,18 @@ def sleep_into_second_epoch(log: Callable[[], str], running: Callable[[], bool],
     assert running(), f"the training ended before the signal:\n{log()[-3000:]}"
 
 
+def wait_for_step_checkpoint(directory: Path, epoch: int, step: int, running: Callable[[], bool],
+                             seconds: float = 300) -> None:
+    """Until the checkpoint of ``step`` of ``epoch`` (counted from 1) is in ``directory``: a moment inside that
+    epoch however fast its steps are (a training with ``train.checkpoint_every_steps`` dividing ``step``),
+    for a stop signal to land at a later step of it. Polls every 10 ms."""
+    pattern = f"ckpt-*-e{epoch - 1:04d}-s{step:06d}.pt"
+    deadline = time.time() + seconds
+    while not list(directory.glob(pattern)) and running() and time.time() < deadline:
+        time.sleep(0.01)
+    assert list(directory.glob(pattern)) and running(), f"no {pattern} in {directory} while the training ran"
+
+
 def torchrun(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
     """The train stage's torchrun command (one node, ``nproc`` workers), from ddpipe.launch's builder."""
     return torchrun_command(DistributedConfig(max_restarts=max_restarts), nproc, args)

@@ -25,6 +25,7 @@ from tests.conftest import (
     same_weights,
     sleep_into_second_epoch,
     subprocess_env,
+    wait_for_step_checkpoint,
     weights,
 )
 
@@ -180,10 +181,10 @@ def encoded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base / "prepared"
 
 
-# 2 processes x 1 thread, 2 loader workers each decoding and cropping, 8 steps an epoch
-ENCODED = ("num_epochs=2", "data.image_size=32", "data.num_workers=2", "train.batch_size_per_rank=16",
+# 2 processes x 1 thread, 2 loader workers each decoding and cropping, 15 steps an epoch, a checkpoint every 2
+ENCODED = ("num_epochs=3", "data.image_size=32", "data.num_workers=2", "train.batch_size_per_rank=8",
            "model.name=resnet_compact", "distributed.nproc_per_node=2", "distributed.threads_per_process=1",
-           "train.hflip=true")
+           "train.hflip=true", "train.checkpoint_every_steps=2")
 
 
 @pytest.mark.slow
@@ -197,7 +198,7 @@ def test_encoded_images_with_loader_workers_resume_mid_epoch_to_equal_weights(tm
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=out, stderr=subprocess.STDOUT)
         try:
-            sleep_into_second_epoch(log.read_text, lambda: proc.poll() is None)
+            wait_for_step_checkpoint(tmp_path / "ckpt", 2, 2, lambda: proc.poll() is None)
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=300)
         finally:
@@ -218,7 +219,8 @@ def test_a_training_stopped_at_two_processes_resumes_at_one_and_takes_the_same_s
     checkpoint's fingerprint has neither the world size nor the per-rank batch. In exact mode the arithmetic
     does not depend on the world size either, so if every remaining step takes the same samples, the run ends
     bit-equal to one trained at 1 process throughout."""
-    common = ("num_epochs=2", "distributed.exact=true", "train.lr_scaling=none", "distributed.threads_per_process=1")
+    common = ("num_epochs=2", "distributed.exact=true", "train.lr_scaling=none", "distributed.threads_per_process=1",
+              "train.checkpoint_every_steps=2")
     one = ("train.batch_size_per_rank=32", "distributed.nproc_per_node=1")
     whole = tmp_path / "whole"
     run([sys.executable, "-m", "ddpipe.launch", *args_for(whole, prepared, *common, *one)], env=CLONE_ENV)
@@ -228,7 +230,7 @@ def test_a_training_stopped_at_two_processes_resumes_at_one_and_takes_the_same_s
     with open(log, "w") as out:
         proc = subprocess.Popen(two, cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=out, stderr=subprocess.STDOUT)
         try:
-            sleep_into_second_epoch(log.read_text, lambda: proc.poll() is None)
+            wait_for_step_checkpoint(tmp_path / "ckpt", 2, 2, lambda: proc.poll() is None)
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=300)
         finally:

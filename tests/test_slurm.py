@@ -9,15 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CLONE_ENV, ROOT, STOPPED, args_for, same_weights, sleep_into_second_epoch, weights
+from tests.conftest import CLONE_ENV, ROOT, STOPPED, args_for, same_weights, wait_for_step_checkpoint, weights
 from tests.slurm_cluster import SlurmCluster, alive, unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))]
 
 SCRIPT = "deploy/slurm/train.sbatch"
-# Two one-process nodes on one host, one thread each: the same arithmetic in every job
-EXTRA = ("num_epochs=3", "train.batch_size_per_rank=16", "distributed.nproc_per_node=1",
-         "distributed.threads_per_process=1")
+# Two one-process nodes on one host, one thread each: the same arithmetic in every job; 65 steps an epoch, a
+# checkpoint every 2 (what the stopped jobs wait for before the stop)
+EXTRA = ("num_epochs=3", "train.batch_size_per_rank=8", "distributed.nproc_per_node=1",
+         "distributed.threads_per_process=1", "train.checkpoint_every_steps=2")
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,8 @@ def test_slurm_job_stopped_mid_epoch_is_requeued_and_ends_with_the_uninterrupted
     and requeues it itself. Either way the job's next run resumes at that step."""
     job = submit(cluster, tmp_path, prepared)
     cluster.wait(job, {"RUNNING"}, seconds=300)
-    sleep_into_second_epoch(lambda: _log(tmp_path, job), lambda: cluster.job(job)["JobState"] == "RUNNING")
+    # into epoch 2 (its step-2 checkpoint is written), whatever the speed of this machine
+    wait_for_step_checkpoint(tmp_path / "ckpt", 2, 2, lambda: cluster.job(job)["JobState"] == "RUNNING")
     if stop == "usr1":
         cluster.scancel("--signal=USR1", job)
     else:
