@@ -30,7 +30,8 @@ FASHION_SHAPE = Prepared("random", [str(c) for c in range(10)], 1, "raw", [28, 2
 
 def step_ms(exact: bool, precision: str, batch: int, steps: int) -> float:
     info = DistInfo()
-    cfg = resolve_auto(config([f"distributed.exact={str(exact).lower()}", f"train.precision={precision}"]), info.device)
+    overrides = [f"distributed.exact={str(exact).lower()}", f"train.precision={precision}"]
+    cfg = resolve_auto(config(overrides), info.device, FASHION_SHAPE.image_size[0])
     compute = Compute.resolve(cfg.train, info.device)
     torch.manual_seed(0)
     model = training_module(cfg, FASHION_SHAPE, info, compute)

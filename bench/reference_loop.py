@@ -34,7 +34,7 @@ from torchvision import datasets, transforms
 
 from ddpipe.batchnorm import convert_sync_batchnorm
 from ddpipe.devices import cpu_count
-from ddpipe.models import SeedCNN
+from ddpipe.models.nets import SeedCNN
 
 # pin_memory=True is what the DDP tutorials use; on a CPU-only machine torch ignores it, with a
 # warning at every epoch's iterator.

@@ -14,7 +14,7 @@ from torch import nn
 
 from ddpipe import hostcomm
 from ddpipe.batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
-from ddpipe.models import ResNetSmall
+from ddpipe.models.nets import ResNetSmall
 from tests.conftest import spawn
 
 STEPS = 3

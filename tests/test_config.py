@@ -80,7 +80,10 @@ def test_string_numbers_are_accepted() -> None:
     ("train.grad_accum_steps=0", "train.grad_accum_steps", ">= 1"),
     ("train.label_smoothing=1", "train.label_smoothing", "< 1.0"),
     ("data.dataset=imagenet", "data.dataset", "one of fashion_mnist, mnist, cifar10, imagefolder"),
-    ("model.name=vgg", "model.name", "one of auto, resnet_small"),
+    ("model.name=my-net", "model.name", "auto, a network's name, or module.path:ClassName"),
+    ("model.name=nets:My:Net", "model.name", "auto, a network's name, or module.path:ClassName"),
+    ("train.freeze_body_epochs=some", "train.freeze_body_epochs", "an integer >= 0 or all"),
+    ("train.body_lr_ratio=0", "train.body_lr_ratio", "> 0.0 and <= 1.0"),
     ("train.optimizer=adam", "train.optimizer", "one of adamw, sgd"),
     ("train.precision=fp8", "train.precision", "one of auto, fp32, bf16, fp16"),
     ("train.lr_scaling=cubic", "train.lr_scaling", "one of sqrt, linear, none"),
@@ -247,3 +250,21 @@ def test_config_module_prints_schema_and_resolved_config() -> None:
     out = run(["python", "-m", "ddpipe.config", "num_epochs=3"], cwd=ROOT).stdout
     assert "num_epochs: 3" in out
     assert "| `data.val_fraction` |" in run(["python", "-m", "ddpipe.config", "--schema"]).stdout
+
+
+@pytest.mark.parametrize("weights", ["models/model.pt", "/tmp/resnet50.pth", "pretrained/../models/model.pt",
+                                     "pretrained"])
+def test_a_weights_file_outside_paths_pretrained_is_refused(weights: str) -> None:
+    """DVC re-trains when a weights file changes only if it lies in the train stage's dependency."""
+    with pytest.raises(ConfigError) as err:
+        load_config([f"model.weights={weights}"])
+    assert f"model.weights = {weights!r} is not accepted" in str(err.value)
+    assert "paths.pretrained (pretrained/...)" in str(err.value)
+
+
+def test_weights_under_paths_pretrained_or_a_torchvision_name_and_kwargs_are_accepted() -> None:
+    cfg = load_config(["model.weights=pretrained/exp1.pt", "model.name=mynets:TinyNet", "model.kwargs.depth=3",
+                       "train.freeze_body_epochs=all"])
+    assert cfg.model.kwargs == {"depth": 3} and cfg.train.freeze_body_epochs == "all"
+    assert flatten(cfg)["model.kwargs.depth"] == 3 and trajectory(cfg)["model.kwargs.depth"] == 3
+    assert load_config(["model.weights=ResNet50_Weights.IMAGENET1K_V2"]).model.weights.startswith("ResNet50")

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddpipe.batchnorm import ExactBatchNorm, _per_sample_sums
 from ddpipe.config import ConfigError, load_config
 from ddpipe.exact import ExactConv2d, ExactLinear, make_exact
-from ddpipe.models import ResNetSmall
+from ddpipe.models.nets import ResNetSmall
 from tests.conftest import args_for, max_rel_diff, run, spawn, torchrun, weights
 
 

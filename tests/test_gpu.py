@@ -24,7 +24,8 @@ from ddpipe.data.loading import TrainingData
 from ddpipe.data.store import load_meta, open_split
 from ddpipe.data.transforms import BatchTransform
 from ddpipe.devices import Compute
-from ddpipe.models import ResNetSmall, load_model
+from ddpipe.models.nets import ResNetSmall
+from ddpipe.models.saved import load_model
 from ddpipe.preemption import EXIT_PREEMPTED
 from tests.conftest import FIRST_EPOCH, ROOT, args_for, subprocess_env
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import urllib.error
 import urllib.request
@@ -19,8 +20,10 @@ from ddpipe.config import ModelConfig
 from ddpipe.data.store import open_split
 from ddpipe.data.transforms import EvalCrop, decode
 from ddpipe.inference import ImageClassifier, prediction_frame
-from ddpipe.models import build_model, predict_logits, save_model
-from tests.conftest import VENV_BIN, args_for, free_port, run, subprocess_env, wait_for_url
+from ddpipe.models.nets import predict_logits
+from ddpipe.models.registry import build_model
+from ddpipe.models.saved import save_model
+from tests.conftest import ROOT, VENV_BIN, args_for, free_port, run, subprocess_env, wait_for_url
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +105,19 @@ def test_the_served_model_answers_plain_images_as_the_evaluate_stage_did(tmp_pat
     assert version.run_id == run_id and version.tags["dvc_exp_name"] == "served"
     assert len(version.tags["git_commit"]) == 40
 
+    _serve_and_compare(tmp_path, prepared, uri, run_id, ROOT, check_floats=True)
+
+
+def _serve_and_compare(tmp_path: Path, prepared: Path, uri: str, run_id: str, cwd: Path,
+                       check_floats: bool = False) -> None:
+    """`mlflow models serve` the run's model from ``cwd``; its answers to the test images are the evaluate
+    stage's (confusion.csv), image for image."""
     test = open_split(prepared, "test")
     evaluated = [line.split(",")[1] for line in (tmp_path / "confusion.csv").read_text().splitlines()[1:]]
     port = free_port()
     server = subprocess.Popen(
         [str(VENV_BIN / "mlflow"), "models", "serve", "-m", f"runs:/{run_id}/model", "--env-manager", "local",
-         "-h", "127.0.0.1", "-p", str(port)],
+         "-h", "127.0.0.1", "-p", str(port)], cwd=cwd,
         env=subprocess_env({"MLFLOW_TRACKING_URI": uri}), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
         start_new_session=True)
     try:
@@ -117,6 +127,8 @@ def test_the_served_model_answers_plain_images_as_the_evaluate_stage_did(tmp_pat
         answer = _post(f"{url}/invocations", {"inputs": images.tolist()})["predictions"]
         assert [p["label"] for p in answer] == evaluated
         assert all(abs(sum(p["probabilities"]) - 1) < 1e-6 for p in answer)
+        if not check_floats:
+            return
         as_floats = _post(f"{url}/invocations", {"inputs": (images[:50] / 255.0).tolist()})["predictions"]
         assert [p["label"] for p in as_floats] == evaluated[:50]
         with pytest.raises(urllib.error.HTTPError) as bad:
@@ -125,6 +137,45 @@ def test_the_served_model_answers_plain_images_as_the_evaluate_stage_did(tmp_pat
     finally:
         os.killpg(server.pid, 15)
         server.wait(timeout=30)
+
+
+OWN_NET = """
+import torch
+from torch import nn
+
+
+class TinyNet(nn.Module):
+    def __init__(self, in_channels: int, num_classes: int, hidden: int = 8) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(in_channels, hidden, 3, padding=1), nn.BatchNorm2d(hidden), nn.ReLU(),
+                                  nn.MaxPool2d(2), nn.Flatten())
+        self.head = nn.Linear(hidden * 14 * 14, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+"""
+
+
+@pytest.mark.slow
+def test_a_network_of_ones_own_trains_evaluates_and_is_served_from_another_directory(
+        tmp_path: Path, prepared: Path) -> None:
+    """model.name = mynets:TinyNet (a file at the repository root, with model.kwargs): trained by one process,
+    evaluated, and served by `mlflow models serve` from a directory without mynets.py: the logged model
+    carries it (code_paths), and answers as the evaluate stage measured."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "mynets.py").write_text(OWN_NET)
+    shutil.copy(ROOT / "params.yaml", repo / "params.yaml")
+    args = args_for(tmp_path, prepared, "num_epochs=1", "model.name=mynets:TinyNet", "model.kwargs.hidden=6")
+    out = run(["python", str(ROOT / "stages" / "train.py"), *args], cwd=repo).stdout
+    assert "network mynets:TinyNet at 28x28" in out
+    test = run(["python", str(ROOT / "stages" / "evaluate.py"), *args], cwd=repo).stdout
+    assert float(test.split("test accuracy ")[1].split(",")[0]) > 0.5
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_id = json.loads((tmp_path / "run.json").read_text())["run_id"]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    _serve_and_compare(tmp_path, prepared, uri, run_id, elsewhere)
 
 
 def test_eval_flips_average_the_mirror_images_logits(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from tests.conftest import spawn
 
 def _eval_rank(rank: int, world: int, prepared: Path, out: Path) -> None:
     torch.manual_seed(0)
-    from ddpipe.models import ResNetSmall
+    from ddpipe.models.nets import ResNetSmall
 
     model = ResNetSmall(1, 10, 8).eval()
     splits = Splits(prepared, load_meta(prepared), ("val",), [28, 28])

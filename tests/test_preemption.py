@@ -34,6 +34,11 @@ EXTRA = ("num_epochs=3", "train.batch_size_per_rank=16", "distributed.nproc_per_
          "distributed.threads_per_process=1")
 
 
+# a step checkpoint every 2 steps (not part of the run's fingerprint): a test waits for the one of epoch 2,
+# step 2 and then signals, so the stop lands inside epoch 2 however fast the machine runs its steps
+EVERY_2 = ("train.checkpoint_every_steps=2",)
+
+
 def launch(tmp: Path, prepared: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "ddpipe.launch", *args_for(tmp, prepared, *EXTRA, *extra)]
 
@@ -70,11 +75,11 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_at_one_step_and_the_restart_
     restarts the group (max_restarts=1), which resumes at that step and ends bit-equal."""
     log = tmp_path / "log.txt"
     with open(log, "w") as out:
-        proc = subprocess.Popen(launch(tmp_path, prepared, "distributed.max_restarts=1"), cwd=ROOT,
+        proc = subprocess.Popen(launch(tmp_path, prepared, "distributed.max_restarts=1", *EVERY_2), cwd=ROOT,
                                 env=subprocess_env(CLONE_ENV), stdout=out, stderr=subprocess.STDOUT)
         try:
             workers = _train_workers(proc, 2)
-            sleep_into_second_epoch(log.read_text, lambda: proc.poll() is None)
+            wait_for_step_checkpoint(tmp_path / "ckpt", 2, 2, lambda: proc.poll() is None)
             workers[1].send_signal(signal.SIGUSR1)
             proc.wait(timeout=600)
         finally:
@@ -96,10 +101,10 @@ def test_sigterm_to_the_launcher_exits_75_and_the_same_command_resumes_equal(
     it on through torchrun, the workers checkpoint one step and it exits 75; the same command resumes."""
     log = tmp_path / "log.txt"
     with open(log, "w") as out:
-        proc = subprocess.Popen(launch(tmp_path, prepared), cwd=ROOT, env=subprocess_env(CLONE_ENV),
+        proc = subprocess.Popen(launch(tmp_path, prepared, *EVERY_2), cwd=ROOT, env=subprocess_env(CLONE_ENV),
                                 stdout=out, stderr=subprocess.STDOUT)
         try:
-            sleep_into_second_epoch(log.read_text, lambda: proc.poll() is None)
+            wait_for_step_checkpoint(tmp_path / "ckpt", 2, 2, lambda: proc.poll() is None)
             sent = time.time()
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=300)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpipe.models import load_model
+from ddpipe.models.saved import load_model
 from ddpipe.training import train
 from tests.conftest import ROOT, args_for, max_rel_diff, run, spawn, subprocess_env, torchrun, weights
 

@@ -46,12 +46,18 @@ def fingerprint(trajectory: dict[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
+# Trajectory keys added after runs were checkpointed, with the value that reproduces what those runs did: at that
+# value a key stays out of the fingerprint, so a run checkpointed before the key existed still resumes.
+ADDED_LATER: dict[str, Any] = {"model.weights": None, "train.body_lr_ratio": 1.0, "train.freeze_body_epochs": "0"}
+
+
 def run_fingerprint(trajectory: dict[str, Any], global_batch_size: int, effective_lr: float,
                     data: dict[str, Any]) -> str:
     """The fingerprint of a training run: every config key that shapes its trajectory, with the global batch
     and the effective lr in place of the per-rank batch and the world size (so that a run stopped at one
     world size resumes at another with the same global batch and lr), and the prepared data's meta.json."""
-    keys = {k: v for k, v in trajectory.items() if k != "train.batch_size_per_rank"}
+    keys = {k: v for k, v in trajectory.items()
+            if k != "train.batch_size_per_rank" and (k not in ADDED_LATER or v != ADDED_LATER[k])}
     return fingerprint({**keys, "global_batch_size": global_batch_size, "effective_lr": effective_lr, "data": data})
 
 

@@ -50,7 +50,9 @@ def param(
 
 
 DATASETS = ("fashion_mnist", "mnist", "cifar10", "imagefolder")
-MODELS = ("auto", "resnet_small", "resnet_compact", "seed_cnn", "resnet18", "resnet34", "resnet50")
+# model.name: ddpipe's own networks by these names; any other word names a torchvision (or timm) classification
+# model, and "module:Class" a class of the user's (ddpipe.models.registry checks the name before any work)
+OWN_MODELS = ("resnet_small", "resnet_compact", "seed_cnn", "resnet18_cifar", "resnet34_cifar", "resnet50_cifar")
 
 
 @dataclass
@@ -106,10 +108,23 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: str = param(
-        "auto", "Network to train. auto: the device's default (ddpipe.devices.resolve_auto; recorded with the run).",
-        choices=MODELS,
+        "auto", "Network to train: auto (by device and input size, ddpipe.devices.resolve_auto; logged), one of "
+        "ddpipe's (" + ", ".join(OWN_MODELS) + "), any torchvision classification model by its name (resnet50, "
+        "efficientnet_b0, convnext_tiny, vit_b_16, ...: its own ImageNet stem), a timm model when timm is installed, "
+        "or module.path:ClassName (a class importable from the repository root, built with in_channels, "
+        "num_classes and model.kwargs).", words="auto, a network's name, or module.path:ClassName",
     )
     width: int = param(16, "resnet_small / resnet_compact / seed_cnn: channels of the first stage.", ge=4)
+    kwargs: dict[str, Any] = field(default_factory=dict, metadata={
+        "doc": "Keyword arguments for the network's constructor (torchvision, timm or your class), e.g. "
+               "{dropout: 0.2}.", "trajectory": True, "words": "a mapping of keyword arguments"})
+    weights: Optional[str] = param(
+        None, "Pretrained weights: a state-dict file under paths.pretrained (.pt/.pth/.bin as torchvision and timm "
+        "distribute them, .safetensors with the safetensors package, or a model file exported by an earlier "
+        "experiment), or a torchvision weights name (ResNet50_Weights.IMAGENET1K_V2: from torch hub's cache, else "
+        "downloaded). Loaded with weights_only=True; a classifier head of another size is replaced. null: none.",
+        words="null, a file under paths.pretrained, or a torchvision weights name (ResNet50_Weights.IMAGENET1K_V2)",
+    )
     eval_flips: bool = param(
         True, "Validation, test and the served model average the logits of each image and of its left-right "
         "mirror (for data whose mirror images are the same class, as train.hflip assumes).",
@@ -133,6 +148,14 @@ class TrainConfig:
     label_smoothing: float = param(0.1, "Cross-entropy label smoothing.", ge=0.0, lt=1.0)
     grad_clip_norm: Optional[float] = param(None, "Clip the global gradient norm to this (null = off).", gt=0.0)
     grad_accum_steps: int = param(1, "Micro-batches per optimizer step (no_sync on all but the last).", ge=1)
+    body_lr_ratio: float = param(
+        1.0, "Fine-tuning: the learning rate of the network's body (all but its classifier head) as a share of the "
+        "head's, e.g. 0.1 for pretrained weights.", gt=0.0, le=1.0,
+    )
+    freeze_body_epochs: str = param(
+        "0", "Fine-tuning: train only the classifier head for this many epochs (the body's weights fixed, its "
+        "BatchNorm in eval mode), then everything; all: the body stays frozen for good.", int_or=("all",), ge=0,
+    )
     # an int once resolved for the device (ddpipe.devices.resolve_auto); OmegaConf has no int-or-word type
     batch_size_per_rank: str = param(
         "auto", "Training micro-batch per process: an int, or auto (the device's default, with model.name's).",
@@ -248,6 +271,9 @@ class PathsConfig:
     per_class: str = param("metrics/per_class.csv", "Test-split precision, recall and F1 per class (DVC plots).")
     confusion: str = param("metrics/confusion.csv", "Test predictions for DVC's confusion plot.")
     reports: str = param("reports", "Evaluate stage images: confusion matrix, misclassified samples.")
+    pretrained: str = param(
+        "pretrained", "Where local weights files lie (model.weights names one): a dependency of the train stage, so "
+        "DVC re-trains when a file there changes. The default, the repository's pretrained/, exists in every clone.")
 
 
 @dataclass
@@ -453,6 +479,8 @@ def validate(cfg: Config, set_in: dict[str, str] | None = None) -> None:
     keys to the file or "command line" that set them, for the messages."""
     set_in = set_in or {}
     for key, value in flatten(cfg).items():
+        if key not in _FIELDS:  # inside a free mapping (model.kwargs): the network's constructor checks it
+            continue
         if not _accepts(_FIELDS[key], value):
             raise _not_accepted(key, value, _accepted(_FIELDS[key]), set_in.get(key))
     classes = cfg.data.classes
@@ -461,6 +489,7 @@ def validate(cfg: Config, set_in: dict[str, str] | None = None) -> None:
             and len(set(classes)) == len(classes))):
         raise _not_accepted("data.classes", classes, _accepted(_FIELDS["data.classes"]) + " (distinct)",
                             set_in.get("data.classes"))
+    _check_model(cfg, set_in)
     dist = cfg.distributed
     nnodes = dist.nnodes.split(":")
     if not (1 <= len(nnodes) <= 2 and all(n.isdigit() and int(n) >= 1 for n in nnodes)):
@@ -475,6 +504,31 @@ def validate(cfg: Config, set_in: dict[str, str] | None = None) -> None:
     if dist.exact and cfg.train.compile:
         raise ConfigError("train.compile = True is not accepted with distributed.exact = True (compiled "
                           "kernels may reorder the per-sample arithmetic); accepted: false")
+
+
+# "resnet50", "vit_base_patch16_224.augreg_in21k" (timm's tags), "mynets:TinyNet", "my_pkg.nets:Net"
+_MODEL_NAME = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")
+# ResNet50_Weights.IMAGENET1K_V2, ViT_B_16_Weights.DEFAULT
+TORCHVISION_WEIGHTS = re.compile(r"^[A-Za-z0-9_]+_Weights\.[A-Za-z0-9_]+$")
+
+
+def _check_model(cfg: Config, set_in: dict[str, str]) -> None:
+    """model.name's form (whether it names a network: ddpipe.models.registry, at launch) and model.weights'
+    place: a local file must lie under paths.pretrained, the train stage's dependency, or DVC would not
+    re-train when it changes."""
+    name = cfg.model.name
+    if not _MODEL_NAME.match(name):
+        raise _not_accepted("model.name", name, _accepted(_FIELDS["model.name"]), set_in.get("model.name"))
+    weights = cfg.model.weights
+    if weights is None or TORCHVISION_WEIGHTS.match(weights):
+        return
+    root = Path(cfg.paths.pretrained)
+    path = Path(weights)
+    if ".." in path.parts or path.parts[:len(root.parts)] != root.parts or len(path.parts) <= len(root.parts):
+        raise ConfigError(f"{set_in.get('model.weights', 'config')}: model.weights = {weights!r} is not accepted; "
+                          f"expected a torchvision weights name (ResNet50_Weights.IMAGENET1K_V2) or a file under "
+                          f"paths.pretrained ({root}/...), which dvc.yaml lists as the train stage's dependency: "
+                          f"copy the file there (e.g. cp {weights} {root}/)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,7 +549,8 @@ def trajectory(cfg: Config) -> dict[str, Any]:
 
 def _shapes_trajectory(key: str) -> bool:
     parts = key.split(".")
-    return all(_FIELDS[".".join(parts[:n])].metadata.get("trajectory", True) for n in range(1, len(parts) + 1))
+    prefixes = [".".join(parts[:n]) for n in range(1, len(parts) + 1)]
+    return all(_FIELDS[p].metadata.get("trajectory", True) for p in prefixes if p in _FIELDS)
 
 
 def to_yaml(cfg: Config) -> str:
@@ -509,7 +564,8 @@ def schema_table() -> str:
     for key, f in _FIELDS.items():
         if _is_section(key):
             continue
-        shown = "null" if f.default is None else str(f.default).lower() if isinstance(f.default, bool) else f.default
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else default
         rows.append(f"| `{key}` | `{shown}` | {_accepted(f)} | {f.metadata['doc']} |")
     return "\n".join(rows)
 

@@ -44,6 +44,12 @@ AUTO_CHOICES = {  # device_kind -> (model.name, train.batch_size_per_rank)
     "cpu-amx": ("resnet_small", 256),
     "cuda": ("resnet_small", 256),
 }
+# Inputs above SMALL_INPUT px a side (encoded images, 224 by default) get torchvision's ImageNet networks, whose
+# stem downsamples 4x at once: ddpipe's small-image nets keep full resolution through their first layers.
+# ResNet-50 at batch 128 is torchvision's reference recipe per GPU (8 GPUs x 32 there; bf16 fits 128 in 40 GB);
+# on a CPU, ResNet-18 (a fifth of ResNet-50's multiply-adds) at batch 64.
+SMALL_INPUT = 64
+AUTO_LARGE_INPUT = {"cpu": ("resnet18", 64), "cpu-amx": ("resnet18", 64), "cuda": ("resnet50", 128)}
 
 
 def device_kind(device: torch.device) -> str:
@@ -53,27 +59,33 @@ def device_kind(device: torch.device) -> str:
     return "cpu-amx" if cpu_has_amx() else "cpu"
 
 
-def resolve_auto(cfg: Config, device: torch.device) -> Config:
-    """``cfg`` with ``model.name`` and ``train.batch_size_per_rank`` made concrete for ``device`` (auto:
-    :data:`AUTO_CHOICES`; an explicit value is kept, as an int for the batch), and
-    ``train.eval_batch_size_per_rank`` (auto: twice the training batch). The one place where
-    the network depends on the device; the training logs the result as its parameters."""
-    name, batch = AUTO_CHOICES[device_kind(device)]
+def auto_choice(device: torch.device, side: int) -> tuple[str, int]:
+    """(model.name, train.batch_size_per_rank) that ``auto`` means on ``device`` for inputs ``side`` px a side."""
+    table = AUTO_CHOICES if side <= SMALL_INPUT else AUTO_LARGE_INPUT
+    return table[device_kind(device)]
+
+
+def resolve_auto(cfg: Config, device: torch.device, side: int) -> Config:
+    """``cfg`` with ``model.name`` and ``train.batch_size_per_rank`` made concrete for ``device`` and inputs of
+    ``side`` px a side (auto: :func:`auto_choice`; an explicit value is kept, as an int for the batch), and
+    ``train.eval_batch_size_per_rank`` (auto: twice the training batch). The one place where the network
+    depends on the device; the training logs the result as its parameters."""
+    name, batch = auto_choice(device, side)
     requested = cfg.train.batch_size_per_rank
     return replace(
         cfg,
         model=replace(cfg.model, name=name) if cfg.model.name == "auto" else cfg.model,
         train=replace(cfg.train, batch_size_per_rank=batch if requested == "auto" else int(requested),
-                      eval_batch_size_per_rank=eval_batch_size(cfg.train, device)),
+                      eval_batch_size_per_rank=eval_batch_size(cfg.train, device, side)),
     )
 
 
-def eval_batch_size(cfg: TrainConfig, device: torch.device) -> int:
+def eval_batch_size(cfg: TrainConfig, device: torch.device, side: int) -> int:
     """``train.eval_batch_size_per_rank`` for ``device``: auto is twice the training batch (itself auto or not)."""
     if cfg.eval_batch_size_per_rank != "auto":
         return int(cfg.eval_batch_size_per_rank)
     requested = cfg.batch_size_per_rank
-    return 2 * (AUTO_CHOICES[device_kind(device)][1] if requested == "auto" else int(requested))
+    return 2 * (auto_choice(device, side)[1] if requested == "auto" else int(requested))
 
 
 def loader_workers(setting: str, encoding: str, device: torch.device, cores: int) -> int:

@@ -51,7 +51,8 @@ def evaluate(cfg: Config) -> dict:
     torch.set_num_threads(cpu_count())
     classifier = ImageClassifier.load(cfg.paths.model)
     test = TestSplit(cfg, classifier)
-    labels, preds, loss = test.predict(classifier, eval_batch_size(cfg.train, torch.device("cpu")))  # it runs there
+    batch = eval_batch_size(cfg.train, torch.device("cpu"), classifier.image_size[0])  # it runs there
+    labels, preds, loss = test.predict(classifier, batch)
     classes = classifier.classes
     m = classification_metrics(labels, preds, classes)
     metrics = {"test": {"accuracy": m["accuracy"], "macro_f1": m["macro_f1"], "loss": loss,

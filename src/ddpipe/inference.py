@@ -24,11 +24,14 @@ from typing import Any
 
 import mlflow.pyfunc
 import numpy as np
+import pandas as pd
 import torch
 import torch.nn.functional as F
+from mlflow.pyfunc import PythonModelContext
 
 from ddpipe.data.transforms import BatchTransform, EvalCrop
-from ddpipe.models import load_model, predict_logits
+from ddpipe.models.nets import predict_logits
+from ddpipe.models.saved import load_model
 
 
 class ImageClassifier:
@@ -121,17 +124,19 @@ class MlflowImageClassifier(mlflow.pyfunc.PythonModel):
     """The MLflow pyfunc face of :class:`ImageClassifier`: a DataFrame with one row per image
     (``label``, ``class_index``, ``probability`` of that class, ``probabilities`` in class order)."""
 
-    def load_context(self, context):  # noqa: ANN001, ANN201 (MLflow reads type hints here as a schema)
+    def load_context(self, context: PythonModelContext) -> None:
         self.classifier = ImageClassifier.load(context.artifacts["weights"])
 
-    def predict(self, context, model_input, params=None):  # noqa: ANN001, ANN201 (likewise)
+    # np.ndarray: a hint from which MLflow infers no schema (mlflow.types.type_hints), so it neither converts
+    # nor validates the input (images of any shape and dtype are ours to check) and does not warn that predict
+    # has no hints. A DataFrame (one image per row) is accepted too.
+    def predict(self, context: PythonModelContext, model_input: np.ndarray, params: dict | None = None
+                ) -> pd.DataFrame:
         return prediction_frame(self.classifier, model_input)
 
 
-def prediction_frame(classifier: ImageClassifier, images: Any) -> Any:
+def prediction_frame(classifier: ImageClassifier, images: Any) -> pd.DataFrame:
     """The served model's answer for ``images``, as a DataFrame."""
-    import pandas as pd
-
     if isinstance(images, pd.DataFrame):  # a client that sent a table: one image per row
         images = np.stack([np.asarray(v) for v in images.iloc[:, 0]])
     out = classifier.predict(images)

@@ -37,7 +37,8 @@ from ddpipe.data.store import PreparedDataError, load_meta
 from ddpipe.devices import cpu_count, resolve_auto, resolve_precision
 from ddpipe.exact import make_exact
 from ddpipe.hostshare import GpuLease, visible_gpus
-from ddpipe.models import build_model
+from ddpipe.models.pretrained import apply_pretrained, load_pretrained
+from ddpipe.models.registry import RENAMED, build_model, classifier_head, module_file
 
 PACKAGED_TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "stages" / "train.py"
 
@@ -101,24 +102,48 @@ def resolve_nproc(d: DistributedConfig) -> int:
 
 
 def preflight(cfg: Config, world_size: int) -> None:
-    """Every check that needs this node's devices or the prepared data, for a job of ``world_size``
-    processes: run before torchrun starts any worker (and by each worker, for a torchrun started by hand)."""
+    """Every check that needs this node's devices, the prepared data or the network, for a job of ``world_size``
+    processes: run before torchrun starts any worker (and by each worker, for a torchrun started by hand).
+    The network is built once here, with its pretrained weights (a torchvision name is downloaded into torch
+    hub's cache here, once, not by every worker), so a wrong name, keyword or weights file fails now."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    cfg = resolve_auto(cfg, device)
+    meta = load_meta(cfg.paths.prepared)
+    side = input_size(meta, cfg.data.image_size)[0]
+    cfg = resolve_auto(cfg, device, side)
     resolve_precision(cfg.train.precision, device)
     if cfg.distributed.backend == "nccl" and device.type != "cuda":
         raise ConfigError("distributed.backend = 'nccl' needs CUDA GPUs; accepted here: auto or gloo")
     if cfg.distributed.exact and device.type != "cpu":
         raise ConfigError("distributed.exact = True is not accepted on CUDA (cuDNN picks its algorithms by "
                           "batch size, so results depend on the split); accepted there: false")
-    meta = load_meta(cfg.paths.prepared)
-    if cfg.distributed.exact:
-        try:
-            make_exact(build_model(cfg.model, meta.num_channels, len(meta.classes)))
-        except ValueError as exc:
-            raise ConfigError(f"{exc} (model.name = {cfg.model.name!r})") from None
-    input_size(meta, cfg.data.image_size)
+    check_network(cfg, meta.num_channels, len(meta.classes), side)
     check_global_batch(meta.sizes["train"], cfg.train, world_size)
+
+
+def check_network(cfg: Config, num_channels: int, num_classes: int, input_side: int) -> None:
+    """model.name, model.kwargs and model.weights make a network (and exact mode supports it); the fine-tuning
+    keys find its classifier head. ConfigError (WeightsError for the weights) otherwise."""
+    model = build_model(cfg.model, num_channels, num_classes)
+    try:
+        if cfg.model.weights:
+            apply_pretrained(model, load_pretrained(cfg.model.weights), num_classes)
+        if cfg.train.body_lr_ratio != 1.0 or cfg.train.freeze_body_epochs != "0":
+            classifier_head(model, num_classes)
+        if cfg.distributed.exact:
+            make_exact(model)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(f"{exc} (model.name = {cfg.model.name!r})") from None
+    if cfg.model.name in RENAMED and input_side <= 64:
+        print(f"note: model.name = {cfg.model.name!r} is torchvision's network, whose stem shrinks a {input_side}-px "
+              f"image 4x before its first block; the small-image variant this name meant before is "
+              f"{RENAMED[cfg.model.name]!r} (README, 'Any network')", file=sys.stderr, flush=True)
+    source = module_file(cfg.model.name)
+    if source is not None and Path("dvc.yaml").is_file() and str(source) not in Path("dvc.yaml").read_text():
+        print(f"warning: model.name = {cfg.model.name!r} lives in {source}, which dvc.yaml does not list: add it "
+              "to the train and evaluate stages' deps, or DVC will not re-run them when it changes (README, "
+              "'Your own network')", file=sys.stderr, flush=True)
 
 
 def checked_nproc(cfg: Config) -> int:

@@ -15,7 +15,7 @@ from ddpipe import distributed as dd
 from ddpipe.data.loading import real_sample_mask
 from ddpipe.data.transforms import BatchTransform
 from ddpipe.devices import Compute
-from ddpipe.models import predict_logits
+from ddpipe.models.nets import predict_logits
 
 
 @dataclass

@@ -32,19 +32,23 @@ def lr_lambda(cfg: TrainConfig, steps_per_epoch: int, num_epochs: int) -> Callab
     return f
 
 
-def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """AdamW (``momentum`` is its beta1) or SGD with momentum, at peak learning rate ``lr``."""
+def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter] | list[dict], lr: float
+                    ) -> torch.optim.Optimizer:
+    """AdamW (``momentum`` is its beta1) or SGD with momentum, at peak learning rate ``lr`` (parameter groups
+    may set their own: ``ddpipe.finetune``'s body)."""
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,
                                weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(params, lr=lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay)
 
 
-def build_optimization(cfg: TrainConfig, module: torch.nn.Module, world_size: int, steps_per_epoch: int,
-                       num_epochs: int) -> tuple[float, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """(peak lr for ``world_size`` processes, the optimizer over ``module``'s parameters, its schedule)."""
+def build_optimization(cfg: TrainConfig, groups: Callable[[float], list[dict]], world_size: int,
+                       steps_per_epoch: int, num_epochs: int
+                       ) -> tuple[float, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """(peak lr for ``world_size`` processes, the optimizer over the parameter ``groups`` made for that lr,
+    its schedule: every group's lr follows the same warm-up and decay)."""
     lr = cfg.base_lr * lr_scale(cfg.lr_scaling, world_size)
-    optimizer = build_optimizer(cfg, module.parameters(), lr)
+    optimizer = build_optimizer(cfg, groups(lr), lr)
     return lr, optimizer, build_scheduler(cfg, optimizer, steps_per_epoch, num_epochs)
 
 

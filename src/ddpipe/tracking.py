@@ -40,7 +40,8 @@ from ddpipe.config import Config, MlflowConfig, flatten
 from ddpipe.data.store import Prepared, load_meta
 from ddpipe.distributed import DistInfo, broadcast_object
 from ddpipe.fsutil import atomic_write_json, atomic_write_text
-from ddpipe.models import save_model
+from ddpipe.models.registry import code_paths
+from ddpipe.models.saved import save_model
 from ddpipe.preemption import Preempted
 
 # Bounded cost when a tracking server is down or slow (the user's own settings win).
@@ -449,7 +450,8 @@ class MlflowTracker(NullTracker):
                 name="model", python_model=MlflowImageClassifier(), artifacts={"weights": str(model_path)},
                 # no input schema: N x H x W and N x C x H x W, integers or [0, 1] floats are all accepted
                 signature=ModelSignature(outputs=outputs), input_example=input_example,
-                code_paths=[str(Path(__file__).parent)],
+                # ddpipe itself, and a network of the user's (model.name module:Class) with its file or package
+                code_paths=[str(Path(__file__).parent), *code_paths(cfg.model.name)],
                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
                                   f"torchvision=={torchvision.__version__.split('+')[0]}",
                                   "omegaconf", "numpy", "pandas"],

@@ -25,14 +25,16 @@ from ddpipe import hostcomm
 from ddpipe.batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
 from ddpipe.checkpoint import Checkpointer, Position, run_fingerprint
 from ddpipe.config import Config, trajectory
-from ddpipe.data.loading import TrainingData, steps_per_epoch
+from ddpipe.data.loading import TrainingData, input_size, steps_per_epoch
 from ddpipe.data.store import Prepared, load_meta
 from ddpipe.devices import Compute, cpu_count, deterministic_kernels, device_kind, loader_workers, resolve_auto
 from ddpipe.exact import clip_grad_norm_ as exact_clip_grad_norm_
 from ddpipe.exact import make_exact
+from ddpipe.finetune import FineTuning
 from ddpipe.hostshare import HostShare
 from ddpipe.metrics import EpochMeter, EpochStats, evaluate_split, final_metrics
-from ddpipe.models import build_model
+from ddpipe.models.pretrained import Pretrained, apply_pretrained, load_pretrained
+from ddpipe.models.registry import RENAMED, build_model
 from ddpipe.optim import build_optimization
 from ddpipe.preemption import Preempted, StopRequests
 from ddpipe.selection import ModelSelection
@@ -44,14 +46,19 @@ class Trainer:
 
     def __init__(self, cfg: Config, info: dd.DistInfo, stops: StopRequests | None = None,
                  share: HostShare | None = None) -> None:
-        cfg = resolve_auto(cfg, info.device)  # model and batch for this device: logged as the run's params
+        meta = load_meta(cfg.paths.prepared)
+        side = input_size(meta, cfg.data.image_size)[0]
+        self.auto_model = cfg.model.name == "auto"
+        cfg = resolve_auto(cfg, info.device, side)  # model and batch for this device and input: logged as params
         self.cfg, self.info, tc = cfg, info, cfg.train
         self.stops = stops or StopRequests(info, cfg.distributed.timeout_s)  # asked at every step
         self.share = share or HostShare(cfg.distributed.threads_per_process, info.processes_on_host, enabled=False)
         self.compute = Compute.resolve(tc, info.device)
         deterministic_kernels(info.device)
         self.device = info.device
-        meta = load_meta(cfg.paths.prepared)
+        self.pretrained = load_pretrained(cfg.model.weights) if cfg.model.weights else None
+        if self.pretrained and (norm := self.pretrained.normalisation(meta.num_channels)):
+            meta = replace(meta, mean=norm[0], std=norm[1])  # the input the weights were trained on
         self.num_workers = loader_workers(cfg.data.num_workers, meta.encoding, info.device, self._cores_share())
         self.data = TrainingData.load(cfg.paths.prepared, meta, tc, cfg.data.image_size, cfg.seed, info.rank,
                                       info.world_size, self.device, self.compute.channels_last, self.num_workers,
@@ -60,11 +67,13 @@ class Trainer:
         # this (augmentation is a hash of seed, epoch and index; the samplers seed their own generators):
         # a layer that did (Dropout) would draw the same numbers on every rank.
         torch.manual_seed(cfg.seed)
-        self.module = training_module(cfg, self.data.meta, info, self.compute)
+        self.module = training_module(cfg, self.data.meta, info, self.compute, self.pretrained)
+        self.finetune = FineTuning(tc, self.module, len(meta.classes))
         self.model = wrap(self.module, info, tc.compile)
         self.steps_per_epoch = steps_per_epoch(self.data.meta.sizes["train"], tc, info.world_size)
         self.effective_lr, self.optimizer, self.scheduler = build_optimization(
-            tc, self.module, info.world_size, self.steps_per_epoch, cfg.num_epochs)
+            tc, lambda lr: self.finetune.param_groups(self.module, lr), info.world_size, self.steps_per_epoch,
+            cfg.num_epochs)
         self.scaler = self.compute.grad_scaler()
         self.tracker = make_tracker(cfg.mlflow, info)
         self.selection = ModelSelection(tc)
@@ -80,8 +89,10 @@ class Trainer:
 
     def _fingerprint(self) -> str:
         """What a checkpoint of this run must match to be resumed (checkpoint.run_fingerprint)."""
-        return run_fingerprint(trajectory(self.cfg), self.derived()["global_batch_size"], self.effective_lr,
-                               asdict(self.data.meta))
+        keys = trajectory(self.cfg)
+        if self.cfg.model.name in RENAMED:  # torchvision's network now, not the small-stem one of older checkpoints
+            keys["model.torchvision_stem"] = True
+        return run_fingerprint(keys, self.derived()["global_batch_size"], self.effective_lr, asdict(self.data.meta))
 
     def derived(self) -> dict[str, Any]:
         """Values computed from the config and the launch, recorded with the run."""
@@ -99,6 +110,8 @@ class Trainer:
             "threads_per_process_at_start": torch.get_num_threads(),
             "loader_workers": self.num_workers,  # data.num_workers resolved (devices.loader_workers)
             "input_size": "x".join(map(str, self.data.size)),  # what the network sees (data.image_size resolved)
+            **({"weights_source": self.pretrained.source, "weights_sha256": self.pretrained.sha256}
+               if self.pretrained else {}),
             # the GPUs this training was given (ddpipe.launch leases them: hostshare.GpuLease)
             "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "all") if self.device.type == "cuda" else "none",
         }
@@ -129,9 +142,15 @@ class Trainer:
         # set_epoch(epoch): a new shuffle and new shards every epoch; a resumed epoch starts at its step
         loader = self.data.train_batches(epoch, start_step * accum, self.steps_per_epoch * accum)
         meter = EpochMeter(self.device, resumed)
+        if self.finetune.set_epoch(self.module, epoch):  # DDP hooks the parameters that need gradients: re-wrap
+            del self.model
+            self.model = wrap(self.module, self.info, self.cfg.train.compile)
+            dd.print0(f"epoch {epoch + 1}: the body is {'frozen' if self.finetune.frozen else 'trained again'} "
+                      f"(train.freeze_body_epochs = {self.cfg.train.freeze_body_epochs})", info=self.info)
         bar = make_progress(self.info, self.cfg.train.progress_bar, f"epoch {epoch + 1}/{self.cfg.num_epochs}",
                             self.steps_per_epoch, start_step)
         self.model.train()
+        self.finetune.freeze_batchnorm(self.module)
         with contextlib.closing(bar):
             for step, micro_batches in enumerate(in_steps(loader, accum), start=start_step + 1):
                 self.train_step(micro_batches, epoch, meter)
@@ -242,7 +261,8 @@ class Trainer:
                 f"{self.device.type}, {torch.get_num_threads()} thread(s)/process), precision "
                 f"{self.compute.precision}, effective lr {self.effective_lr:.6g} ({tc.lr_scaling} scaling of "
                 f"{tc.base_lr:g}), global batch {self.derived()['global_batch_size']}, "
-                f"{self.steps_per_epoch} steps/epoch")
+                f"{self.steps_per_epoch} steps/epoch; network {self.cfg.model.name} at {self.derived()['input_size']}"
+                f"{' (model.name auto: ' + self.derived()['device_kind'] + ')' if self.auto_model else ''}")
 
     def finish(self) -> dict[str, float]:
         """Write the run's outputs (rank 0) and close its MLflow run."""
@@ -264,9 +284,14 @@ def in_steps(loader: Iterable[tuple], accum: int) -> Iterator[list[tuple]]:
         yield step
 
 
-def training_module(cfg: Config, meta: Prepared, info: dd.DistInfo, compute: Compute) -> nn.Module:
-    """The network to train: world-size exact, or with synchronised BatchNorm under several processes."""
+def training_module(cfg: Config, meta: Prepared, info: dd.DistInfo, compute: Compute,
+                    pretrained: Pretrained | None = None) -> nn.Module:
+    """The network to train, from ``pretrained`` weights when given: world-size exact, or with synchronised
+    BatchNorm under several processes."""
     module = build_model(cfg.model, meta.num_channels, len(meta.classes))
+    if pretrained is not None:
+        for line in apply_pretrained(module, pretrained, len(meta.classes)):
+            dd.print0(line, info=info)
     if cfg.distributed.exact:
         module = make_exact(module)  # its BatchNorm is synchronised too
     elif info.distributed and info.world_size > 1 and cfg.distributed.sync_batchnorm:

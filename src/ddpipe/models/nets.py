@@ -1,19 +1,13 @@
-"""Networks and their saved file. No distributed code here: the trainer converts BatchNorm and wraps in DDP.
-
-``build_model(cfg, num_channels, num_classes)`` is also what rebuilds a saved model, so the saved
-file (``paths.model``) records exactly these three inputs, plus the input normalisation and class names.
-"""
+"""ddpipe's own networks: small residual CNNs for 28x28/32x32 images, and torchvision's ResNets with a
+small-image stem. No distributed code here: the trainer converts BatchNorm and wraps in DDP."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
-
-from ddpipe.config import ModelConfig
-from ddpipe.fsutil import atomic_save
 
 
 def _conv_bn(c_in: int, c_out: int, stride: int = 1) -> list[nn.Module]:
@@ -96,30 +90,27 @@ class SeedCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
-def _torchvision_resnet(name: str, in_channels: int, num_classes: int) -> nn.Module:
-    """A torchvision ResNet with its ImageNet stem (7x7 stride-2 conv + max pool, which would shrink
-    a 28x28 image to 7x7 before the first block) replaced by a 3x3 stride-1 conv for small images."""
+def cifar_resnet(depth: int, in_channels: int, num_classes: int, **kwargs: Any) -> nn.Module:
+    """torchvision's ResNet-``depth`` with its ImageNet stem (7x7 stride-2 conv + max pool, which would shrink
+    a 28x28 image to 7x7 before the first block) replaced by a 3x3 stride-1 conv for small images: what
+    ``resnet18`` meant before torchvision's names were accepted (now ``resnet18_cifar``)."""
     import torchvision
 
-    model = getattr(torchvision.models, name)(weights=None, num_classes=num_classes)
+    model = getattr(torchvision.models, f"resnet{depth}")(weights=None, num_classes=num_classes, **kwargs)
     model.conv1 = nn.Conv2d(in_channels, model.conv1.out_channels, 3, 1, 1, bias=False)
     model.maxpool = nn.Identity()
     return model
 
 
-def build_model(cfg: ModelConfig, num_channels: int, num_classes: int) -> nn.Module:
-    """The network named by ``model.name`` for images of ``num_channels`` channels."""
-    if cfg.name == "resnet_small":
-        return ResNetSmall(num_channels, num_classes, cfg.width)
-    if cfg.name == "resnet_compact":
-        return ResNetCompact(num_channels, num_classes, cfg.width)
-    if cfg.name == "seed_cnn":
-        return SeedCNN(num_channels, num_classes, cfg.width)
-    if cfg.name in ("resnet18", "resnet34", "resnet50"):
-        return _torchvision_resnet(cfg.name, num_channels, num_classes)
-    if cfg.name == "auto":
-        raise ValueError("model.name = 'auto' names no network until ddpipe.devices.resolve_auto picks one")
-    raise ValueError(f"model.name = {cfg.name!r} is not accepted")  # config validation catches this first
+# ddpipe's own networks: model.name -> constructor(in_channels, num_classes, width, **model.kwargs)
+OWN: dict[str, Callable[..., nn.Module]] = {
+    "resnet_small": ResNetSmall,
+    "resnet_compact": ResNetCompact,
+    "seed_cnn": SeedCNN,
+    "resnet18_cifar": lambda c, n, width, **kw: cifar_resnet(18, c, n, **kw),
+    "resnet34_cifar": lambda c, n, width, **kw: cifar_resnet(34, c, n, **kw),
+    "resnet50_cifar": lambda c, n, width, **kw: cifar_resnet(50, c, n, **kw),
+}
 
 
 def predict_logits(model: nn.Module, x: torch.Tensor, flips: bool) -> torch.Tensor:
@@ -127,33 +118,3 @@ def predict_logits(model: nn.Module, x: torch.Tensor, flips: bool) -> torch.Tens
     of ``x`` mirrored left-right. Validation, the evaluate stage and the served model all predict here."""
     logits = model(x).float()
     return (logits + model(x.flip(-1)).float()) / 2 if flips else logits
-
-
-# ---------------------------------------------------------------------------------------------
-# The saved model (``paths.model``)
-
-
-def save_model(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, meta: dict, path: str | Path,
-               extra: dict | None = None) -> None:
-    """Weights plus what rebuilds the network, its input normalisation and class names
-    (``torch.load(weights_only=True)``-loadable). ``meta``: the prepared data's ``meta.json`` fields
-    (``dataclasses.asdict`` of ``ddpipe.data.store.Prepared``, with ``image_size`` the input the network takes);
-    ``extra`` adds plain values (e.g. the exported epoch). ``encoding`` says how a client's image becomes that
-    input: resized (raw), or centre-cropped and resized (encoded: ``ddpipe.data.transforms.EvalCrop``)."""
-    payload = {
-        "state_dict": {k: v.detach().cpu().contiguous() for k, v in state_dict.items()},
-        "model": asdict(cfg),
-        "num_channels": meta["num_channels"], "classes": list(meta["classes"]),
-        "mean": list(meta["mean"]), "std": list(meta["std"]), "image_size": list(meta["image_size"]),
-        "encoding": meta["encoding"],
-        **(extra or {}),
-    }
-    atomic_save(path, lambda f: torch.save(payload, f))
-
-
-def load_model(path: str | Path) -> tuple[nn.Module, dict]:
-    """The network saved by :func:`save_model` (on the CPU, in eval mode), and the payload's metadata."""
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    model = build_model(ModelConfig(**payload["model"]), payload["num_channels"], len(payload["classes"]))
-    model.load_state_dict(payload["state_dict"])
-    return model.eval(), payload

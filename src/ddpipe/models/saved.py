@@ -1,0 +1,64 @@
+"""The saved model (``paths.model``): weights plus what rebuilds the network, its input normalisation and
+class names, loadable with ``torch.load(weights_only=True)``.
+
+``build_model(cfg, num_channels, num_classes)`` is what rebuilds it, so the file records exactly these three
+inputs (``model.name``, ``model.kwargs``, ``model.width``; a ``module:Class`` network is imported again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ddpipe.config import ModelConfig
+from ddpipe.fsutil import atomic_save
+from ddpipe.models.registry import RENAMED, build_model
+
+
+def save_model(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, meta: dict, path: str | Path,
+               extra: dict | None = None) -> None:
+    """Weights plus what rebuilds the network, its input normalisation and class names. ``meta``: the prepared
+    data's ``meta.json`` fields (``dataclasses.asdict`` of ``ddpipe.data.store.Prepared``, with ``image_size``
+    the input the network takes and ``mean``/``std`` the normalisation it was trained with); ``extra`` adds
+    plain values (e.g. the exported epoch). ``encoding`` says how a client's image becomes that input: resized
+    (raw), or centre-cropped and resized (encoded: ``ddpipe.data.transforms.EvalCrop``)."""
+    payload = {
+        "state_dict": {k: v.detach().cpu().contiguous() for k, v in state_dict.items()},
+        "model": asdict(cfg),
+        "num_channels": meta["num_channels"], "classes": list(meta["classes"]),
+        "mean": list(meta["mean"]), "std": list(meta["std"]), "image_size": list(meta["image_size"]),
+        "encoding": meta["encoding"],
+        **(extra or {}),
+    }
+    atomic_save(path, lambda f: torch.save(payload, f))
+
+
+def is_saved_model(payload: object) -> bool:
+    """Whether a loaded file is a :func:`save_model` payload (an exported ddpipe model)."""
+    return isinstance(payload, dict) and {"state_dict", "model", "classes", "mean", "std"} <= payload.keys()
+
+
+def model_config(payload: dict) -> ModelConfig:
+    """The ModelConfig a saved model was trained with (keys of older files filled with today's defaults)."""
+    known = {f.name for f in fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in payload["model"].items() if k in known})
+
+
+def load_model(path: str | Path) -> tuple[nn.Module, dict]:
+    """The network saved by :func:`save_model` (on the CPU, in eval mode), and the payload's metadata."""
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    cfg = model_config(payload)
+    model = build_model(cfg, payload["num_channels"], len(payload["classes"]))
+    try:
+        model.load_state_dict(payload["state_dict"])
+    except RuntimeError as exc:
+        if cfg.name in RENAMED:
+            raise ValueError(
+                f"{path}: its weights do not fit model.name = {cfg.name!r}, which now means torchvision's own "
+                f"{cfg.name} (ImageNet stem); a file written before that change holds the small-image variant, now "
+                f"named {RENAMED[cfg.name]!r}: retrain with model.name={RENAMED[cfg.name]}") from exc
+        raise
+    return model.eval(), payload
