@@ -197,3 +197,20 @@ def test_a_torchvision_weights_name_reads_torch_hubs_cache_and_says_where_offlin
     assert (mean, std) == (pytest.approx(0.449), pytest.approx(0.226))
     with pytest.raises(WeightsError, match="not a torchvision weights name"):
         load_pretrained("ResNet18_Weights.IMAGENET9K")
+
+
+def test_the_launcher_says_when_dvc_yaml_misses_the_networks_file(repo_dir: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    """An edit to mynets.py re-runs train and evaluate only if dvc.yaml lists it: the launcher checks."""
+    from ddpipe.config import load_config
+    from ddpipe.launch import check_network
+
+    (repo_dir / "dvc.yaml").write_text("stages:\n  train:\n    deps:\n      - stages/train.py\n")
+    cfg = load_config(["model.name=mynets:TinyNet"], params_file=None)
+    check_network(cfg, 1, 10, 28)
+    assert "lives in mynets.py, which dvc.yaml does not list" in capsys.readouterr().err
+    (repo_dir / "dvc.yaml").write_text("stages:\n  train:\n    deps:\n      - mynets.py\n")
+    check_network(cfg, 1, 10, 28)
+    assert capsys.readouterr().err == ""
+    check_network(load_config(["model.name=resnet18"], params_file=None), 1, 10, 28)
+    assert "the small-image variant this name meant before is 'resnet18_cifar'" in capsys.readouterr().err

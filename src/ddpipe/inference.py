@@ -135,6 +135,16 @@ class MlflowImageClassifier(mlflow.pyfunc.PythonModel):
         return prediction_frame(self.classifier, model_input)
 
 
+def prediction_schema() -> Any:
+    """The served model's output columns, as the logged model's signature states them (written out: MLflow's
+    inference from an example warns that an integer column cannot hold missing values, which ours never do)."""
+    from mlflow.types import DataType
+    from mlflow.types.schema import Array, ColSpec, Schema
+
+    return Schema([ColSpec(DataType.string, "label"), ColSpec(DataType.long, "class_index"),
+                   ColSpec(DataType.double, "probability"), ColSpec(Array(DataType.double), "probabilities")])
+
+
 def prediction_frame(classifier: ImageClassifier, images: Any) -> pd.DataFrame:
     """The served model's answer for ``images``, as a DataFrame."""
     if isinstance(images, pd.DataFrame):  # a client that sent a table: one image per row

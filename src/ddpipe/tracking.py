@@ -437,19 +437,18 @@ class MlflowTracker(NullTracker):
             import mlflow.pyfunc
             import torch
             import torchvision
-            from mlflow.models import ModelSignature, infer_signature
+            from mlflow.models import ModelSignature
 
-            from ddpipe.inference import ImageClassifier, MlflowImageClassifier, prediction_frame
+            from ddpipe.inference import ImageClassifier, MlflowImageClassifier, prediction_schema
 
             classifier = ImageClassifier.load(model_path)
             if self._has_model(mlflow, classifier.exported_epoch):
                 print(f"MLflow run {self.run_id} already holds this model; not logging it again", flush=True)
                 return
-            outputs = infer_signature(None, prediction_frame(classifier, input_example)).outputs
             info = mlflow.pyfunc.log_model(
                 name="model", python_model=MlflowImageClassifier(), artifacts={"weights": str(model_path)},
                 # no input schema: N x H x W and N x C x H x W, integers or [0, 1] floats are all accepted
-                signature=ModelSignature(outputs=outputs), input_example=input_example,
+                signature=ModelSignature(outputs=prediction_schema()), input_example=input_example,
                 # ddpipe itself, and a network of the user's (model.name module:Class) with its file or package
                 code_paths=[str(Path(__file__).parent), *code_paths(cfg.model.name)],
                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
