@@ -68,6 +68,8 @@ class Trainer:
         # a layer that did (Dropout) would draw the same numbers on every rank.
         torch.manual_seed(cfg.seed)
         self.module = training_module(cfg, self.data.meta, info, self.compute, self.pretrained)
+        if self.pretrained:  # copied into the module: keep only what the run records of them
+            self.pretrained = replace(self.pretrained, state_dict={})
         self.finetune = FineTuning(tc, self.module, len(meta.classes))
         self.model = wrap(self.module, info, tc.compile)
         self.steps_per_epoch = steps_per_epoch(self.data.meta.sizes["train"], tc, info.world_size)
