@@ -59,6 +59,19 @@ def atomic_save(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
         write(f)
 
 
+@contextlib.contextmanager
+def atomic_dir(target: str | Path) -> Iterator[Path]:
+    """An empty staging directory beside ``target``, moved onto it (:func:`replace_dir`) when the block ends
+    without an error; on an error (or a kill) the staging directory goes and ``target`` is untouched."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.tmp") as tmp:
+        staging = Path(tmp) / "out"
+        staging.mkdir()
+        yield staging
+        replace_dir(staging, target)
+
+
 def replace_dir(staging: Path, target: Path) -> None:
     """Move a fully written ``staging`` directory onto ``target``, replacing what was there only
     once the new one is complete."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
-import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -31,7 +30,7 @@ from ddpipe.data.images import BadImage, channel_sums, mean_std
 from ddpipe.data.sources import DataSourceError, FileTable, RawDataset, list_imagefolder, read_arrays
 from ddpipe.data.splits import make_splits, relabel, select_classes
 from ddpipe.data.store import Prepared, PreparedDataError, RawWriter, ShardWriter, write_labels
-from ddpipe.fsutil import replace_dir
+from ddpipe.fsutil import atomic_dir
 
 RAW_MAX_SIDE = 64  # encoding auto: raw when every image has one size with sides at most this
 PROBE_CHUNK, ENCODE_CHUNK, ARRAY_CHUNK = 256, 32, 4096  # files (arrays: images) per piece of work
@@ -41,11 +40,7 @@ IN_FLIGHT_PER_WORKER = 3  # chunks handed out ahead per worker: enough to keep i
 def prepare(cfg: DataConfig, seed: int, raw_dir: Path, out_dir: Path, workers: int | None = None) -> Prepared:
     """Write the prepared splits of ``cfg.dataset`` into ``out_dir`` atomically; ``workers``: processes
     that decode (default: every core this process may use)."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp") as tmp:
-        staging = Path(tmp) / "out"
-        staging.mkdir()
+    with atomic_dir(out_dir) as staging:
         if cfg.dataset == "imagefolder":
             meta = _prepare_folder(cfg, seed, staging, workers or _cores())
         else:
@@ -53,7 +48,6 @@ def prepare(cfg: DataConfig, seed: int, raw_dir: Path, out_dir: Path, workers: i
         if meta.sizes["train"] == 0:
             raise PreparedDataError("the training split is empty")
         meta.write(staging)
-        replace_dir(staging, out_dir)
     return meta
 
 

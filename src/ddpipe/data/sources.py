@@ -27,7 +27,7 @@ import numpy as np
 
 from ddpipe.config import DataConfig
 from ddpipe.data.images import IMAGE_SUFFIXES, is_image_name
-from ddpipe.fsutil import atomic_write_json, replace_dir
+from ddpipe.fsutil import atomic_dir, atomic_write_json
 
 # Published MD5s of the official files (the same table torchvision checks).
 # Debian's dataset-fashion-mnist re-gzips the files (new gzip headers, same content), so for
@@ -133,16 +133,11 @@ def fetch(cfg: DataConfig, out_dir: Path, download_urls: dict[str, list[str]] | 
     Returns a sentence saying where the files came from. ``download_urls`` overrides torchvision's
     mirrors (used by tests with a local server).
     """
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp") as tmp:
-        staging = Path(tmp) / "out"
-        staging.mkdir()
+    with atomic_dir(out_dir) as staging:
         if cfg.dataset == "imagefolder":
             origin = _fetch_imagefolder(cfg, staging)
         else:
             origin = _fetch_official(cfg, staging, download_urls)
-        replace_dir(staging, out_dir)
     return origin
 
 
