@@ -127,6 +127,37 @@ def make_imagefolder(directory: Path, classes: tuple[str, ...] = ("cat", "dog", 
     return directory
 
 
+def prepare_generated_folder(base: Path, count: int, val_fraction: float) -> Path:
+    """A generated class-per-folder set of ``count`` JPEG/PNG files of many sizes (bench/imageset.py, 3 classes),
+    prepared (encoded) into base/prepared with one worker."""
+    from bench.imageset import generate
+    from ddpipe.config import DataConfig
+    from ddpipe.data.prepare import prepare
+
+    folder = generate(base / "imgs", count, 3)
+    cfg = DataConfig(dataset="imagefolder", source_dir=str(folder), val_fraction=val_fraction)
+    prepare(cfg, 0, base / "raw", base / "prepared", workers=1)
+    return base / "prepared"
+
+
+# A network of a user's own, for a mynets.py at a repository root (model.name mynets:TinyNet, 28x28 images)
+OWN_NET = """
+import torch
+from torch import nn
+
+
+class TinyNet(nn.Module):
+    def __init__(self, in_channels: int, num_classes: int, hidden: int = 8) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(in_channels, hidden, 3, padding=1), nn.BatchNorm2d(hidden), nn.ReLU(),
+                                  nn.MaxPool2d(2), nn.Flatten())
+        self.head = nn.Linear(hidden * 14 * 14, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+"""
+
+
 @pytest.fixture
 def accept_test_checksums(monkeypatch: pytest.MonkeyPatch):
     """Make ``verify_file`` accept generated files for ``dataset`` (returns the patcher)."""

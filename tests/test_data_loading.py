@@ -12,12 +12,11 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from bench.imageset import generate
-from ddpipe.config import ConfigError, DataConfig, TrainConfig
+from ddpipe.config import ConfigError, TrainConfig
 from ddpipe.data.loading import BatchKey, Splits, TrainingData, TrainOrder, eval_batches, input_size, real_sample_mask
-from ddpipe.data.prepare import prepare
 from ddpipe.data.store import load_meta
 from ddpipe.data.transforms import BatchTransform, EvalCrop, TrainCrop, decode
+from tests.conftest import prepare_generated_folder
 
 CPU = torch.device("cpu")
 
@@ -92,10 +91,7 @@ def test_random_resized_crops_are_keyed_by_seed_epoch_and_index() -> None:
 
 @pytest.fixture(scope="module")
 def encoded(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("enc")
-    cfg = DataConfig(dataset="imagefolder", source_dir=str(generate(base / "imgs", 90, 3)), val_fraction=0.2)
-    prepare(cfg, 0, base / "raw", base / "prepared", workers=1)
-    return base / "prepared"
+    return prepare_generated_folder(tmp_path_factory.mktemp("enc"), 90, 0.2)
 
 
 def _data(prepared: Path, workers: int, rank: int = 0, world: int = 1, batch: int = 8) -> TrainingData:

@@ -23,7 +23,7 @@ from ddpipe.inference import ImageClassifier, prediction_frame
 from ddpipe.models.nets import predict_logits
 from ddpipe.models.registry import build_model
 from ddpipe.models.saved import save_model
-from tests.conftest import ROOT, VENV_BIN, args_for, free_port, run, subprocess_env, wait_for_url
+from tests.conftest import OWN_NET, ROOT, VENV_BIN, args_for, free_port, run, subprocess_env, wait_for_url
 
 
 @pytest.fixture(scope="module")
@@ -137,23 +137,6 @@ def _serve_and_compare(tmp_path: Path, prepared: Path, uri: str, run_id: str, cw
     finally:
         os.killpg(server.pid, 15)
         server.wait(timeout=30)
-
-
-OWN_NET = """
-import torch
-from torch import nn
-
-
-class TinyNet(nn.Module):
-    def __init__(self, in_channels: int, num_classes: int, hidden: int = 8) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(in_channels, hidden, 3, padding=1), nn.BatchNorm2d(hidden), nn.ReLU(),
-                                  nn.MaxPool2d(2), nn.Flatten())
-        self.head = nn.Linear(hidden * 14 * 14, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
-"""
 
 
 @pytest.mark.slow

@@ -15,22 +15,7 @@ from ddpipe.config import ConfigError, ModelConfig
 from ddpipe.models.pretrained import WeightsError, apply_pretrained, load_pretrained
 from ddpipe.models.registry import build_model, classifier_head, code_paths
 from ddpipe.models.saved import load_model, save_model
-
-TINY_NET = '''
-import torch
-from torch import nn
-
-
-class TinyNet(nn.Module):
-    def __init__(self, in_channels: int, num_classes: int, hidden: int = 8) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(in_channels, hidden, 3, padding=1), nn.BatchNorm2d(hidden), nn.ReLU(),
-                                  nn.AdaptiveAvgPool2d(1), nn.Flatten())
-        self.head = nn.Linear(hidden, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
-'''
+from tests.conftest import OWN_NET
 
 META = {"num_channels": 1, "classes": [str(i) for i in range(10)], "mean": [0.5], "std": [0.25],
         "image_size": [28, 28], "encoding": "raw"}
@@ -39,7 +24,7 @@ META = {"num_channels": 1, "classes": [str(i) for i in range(10)], "mean": [0.5]
 @pytest.fixture
 def repo_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A working directory as a stage has it (the repository root), with the user's mynets.py in it."""
-    (tmp_path / "mynets.py").write_text(TINY_NET)
+    (tmp_path / "mynets.py").write_text(OWN_NET)
     (tmp_path / "pretrained").mkdir()
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -85,7 +70,7 @@ def test_unknown_names_and_keywords_are_refused_with_what_is_accepted(repo_dir: 
 def test_a_network_of_ones_own_is_built_saved_and_rebuilt_with_its_kwargs(repo_dir: Path) -> None:
     cfg = ModelConfig(name="mynets:TinyNet", kwargs={"hidden": 5})
     model = build_model(cfg, 1, 10)
-    assert model.head.in_features == 5 and classifier_head(model, 10) == "head"
+    assert model.head.in_features == 5 * 14 * 14 and classifier_head(model, 10) == "head"
     assert code_paths(cfg.name) == [str(repo_dir / "mynets.py")]  # what the logged MLflow model carries
     save_model(model.state_dict(), cfg, META, repo_dir / "model.pt")
     rebuilt, payload = load_model(repo_dir / "model.pt")

@@ -21,6 +21,7 @@ from tests.conftest import (
     ROOT,
     STOPPED,
     args_for,
+    prepare_generated_folder,
     run,
     same_weights,
     sleep_into_second_epoch,
@@ -67,6 +68,26 @@ def _train_workers(launcher: subprocess.Popen, count: int) -> dict[int, psutil.P
     raise AssertionError(f"{count} workers did not start (launcher exit {launcher.poll()})")
 
 
+def _sigterm_inside_epoch_2(cmd: list[str], tmp_path: Path) -> tuple[str, str, str]:
+    """Run a launcher ``cmd`` (checkpointing every 2 steps into tmp_path/ckpt), SIGTERM it alone once epoch 2's
+    step-2 checkpoint exists; it exits 75. The (signal, epoch, step) every rank says it stopped at."""
+    log = tmp_path / "log.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_for_step_checkpoint(tmp_path / "ckpt", 2, 2, lambda: proc.poll() is None)
+            sent = time.time()
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=300)
+            print(f"exited {time.time() - sent:.1f} s after SIGTERM")
+        finally:
+            proc.kill()
+    text = log.read_text()
+    assert proc.returncode == EXIT_PREEMPTED, text[-4000:]
+    (stopped,) = set(STOPPED.findall(text))  # every rank that says so names the same step
+    return stopped
+
+
 @pytest.mark.slow
 def test_a_stop_signal_to_one_rank_stops_every_rank_at_one_step_and_the_restart_ends_equal(
         tmp_path: Path, prepared: Path, uninterrupted: dict[str, torch.Tensor]) -> None:
@@ -99,21 +120,7 @@ def test_sigterm_to_the_launcher_exits_75_and_the_same_command_resumes_equal(
         tmp_path: Path, prepared: Path, uninterrupted: dict[str, torch.Tensor]) -> None:
     """SIGTERM to `python -m ddpipe.launch` alone (Kubernetes signals a container's PID 1 only): it passes
     it on through torchrun, the workers checkpoint one step and it exits 75; the same command resumes."""
-    log = tmp_path / "log.txt"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(launch(tmp_path, prepared, *EVERY_2), cwd=ROOT, env=subprocess_env(CLONE_ENV),
-                                stdout=out, stderr=subprocess.STDOUT)
-        try:
-            wait_for_step_checkpoint(tmp_path / "ckpt", 2, 2, lambda: proc.poll() is None)
-            sent = time.time()
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=300)
-            print(f"exited {time.time() - sent:.1f} s after SIGTERM")
-        finally:
-            proc.kill()
-    text = log.read_text()
-    assert proc.returncode == EXIT_PREEMPTED, text[-4000:]
-    (sig, epoch, step), = set(STOPPED.findall(text))
+    sig, epoch, step = _sigterm_inside_epoch_2(launch(tmp_path, prepared, *EVERY_2), tmp_path)
     assert sig == "SIGTERM" and (epoch, int(step) > 0) == ("2", True)
     saved = sorted(p.name for p in (tmp_path / "ckpt").glob("ckpt-*.pt"))
     assert saved[-1].endswith(f"-e{int(epoch) - 1:04d}-s{int(step):06d}.pt"), saved
@@ -176,14 +183,7 @@ def test_sigterm_to_dvc_repro_leaves_a_step_checkpoint_and_the_next_repro_resume
 @pytest.fixture(scope="module")
 def encoded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A generated folder of JPEG/PNG files of many sizes, prepared (encoded)."""
-    from bench.imageset import generate
-    from ddpipe.config import DataConfig
-    from ddpipe.data.prepare import prepare
-
-    base = tmp_path_factory.mktemp("encoded")
-    cfg = DataConfig(dataset="imagefolder", source_dir=str(generate(base / "imgs", 300, 3)), val_fraction=0.1)
-    prepare(cfg, 0, base / "raw", base / "prepared", workers=1)
-    return base / "prepared"
+    return prepare_generated_folder(tmp_path_factory.mktemp("encoded"), 300, 0.1)
 
 
 # 2 processes x 1 thread, 2 loader workers each decoding and cropping, 15 steps an epoch, a checkpoint every 2
@@ -199,18 +199,7 @@ def test_encoded_images_with_loader_workers_resume_mid_epoch_to_equal_weights(tm
     whole = tmp_path / "whole"
     run([sys.executable, "-m", "ddpipe.launch", *args_for(whole, encoded, *ENCODED)], env=CLONE_ENV)
     cmd = [sys.executable, "-m", "ddpipe.launch", *args_for(tmp_path, encoded, *ENCODED)]
-    log = tmp_path / "log.txt"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=out, stderr=subprocess.STDOUT)
-        try:
-            wait_for_step_checkpoint(tmp_path / "ckpt", 2, 2, lambda: proc.poll() is None)
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=300)
-        finally:
-            proc.kill()
-    text = log.read_text()
-    assert proc.returncode == EXIT_PREEMPTED, text[-4000:]
-    (_, epoch, step), = set(STOPPED.findall(text))
+    _, epoch, step = _sigterm_inside_epoch_2(cmd, tmp_path)
     resumed = run(cmd, env=CLONE_ENV)
     assert f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step}" in resumed.stdout
     print(f"stopped at epoch {epoch}, step {step}")
@@ -231,18 +220,7 @@ def test_a_training_stopped_at_two_processes_resumes_at_one_and_takes_the_same_s
     run([sys.executable, "-m", "ddpipe.launch", *args_for(whole, prepared, *common, *one)], env=CLONE_ENV)
     two = [sys.executable, "-m", "ddpipe.launch",
            *args_for(tmp_path, prepared, *common, "train.batch_size_per_rank=16", "distributed.nproc_per_node=2")]
-    log = tmp_path / "log.txt"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(two, cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=out, stderr=subprocess.STDOUT)
-        try:
-            wait_for_step_checkpoint(tmp_path / "ckpt", 2, 2, lambda: proc.poll() is None)
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=300)
-        finally:
-            proc.kill()
-    text = log.read_text()
-    assert proc.returncode == EXIT_PREEMPTED, text[-4000:]
-    (_, epoch, step), = set(STOPPED.findall(text))
+    _, epoch, step = _sigterm_inside_epoch_2(two, tmp_path)
     resumed = run([sys.executable, "-m", "ddpipe.launch", *args_for(tmp_path, prepared, *common, *one)],
                   env=CLONE_ENV)
     assert (f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step} (checkpointed at world size 2, "

@@ -27,8 +27,9 @@ class FineTuning:
         self.head = classifier_head(module, num_classes) if self.active else ""
         self.frozen = False
 
-    def is_head(self, name: str) -> bool:
-        return bool(self.head) and name.startswith(self.head + ".")
+    def in_head(self, name: str) -> bool:
+        """Whether the parameter or module ``name`` is (in) the classifier head."""
+        return bool(self.head) and (name == self.head or name.startswith(self.head + "."))
 
     def param_groups(self, module: nn.Module, lr: float) -> list[dict]:
         """The optimizer's groups: the head at ``lr``, the body at ``lr * body_lr_ratio`` (one group when
@@ -36,8 +37,8 @@ class FineTuning:
         if not self.active:
             return [{"params": list(module.parameters()), "lr": lr}]
         named = list(module.named_parameters())
-        return [{"params": [p for n, p in named if self.is_head(n)], "lr": lr},
-                {"params": [p for n, p in named if not self.is_head(n)], "lr": lr * self.ratio}]
+        return [{"params": [p for n, p in named if self.in_head(n)], "lr": lr},
+                {"params": [p for n, p in named if not self.in_head(n)], "lr": lr * self.ratio}]
 
     def body_frozen(self, epoch: int) -> bool:
         return self.freeze == "all" or epoch < int(self.freeze)
@@ -48,7 +49,7 @@ class FineTuning:
         if frozen == self.frozen:
             return False
         for name, p in module.named_parameters():
-            if not self.is_head(name):
+            if not self.in_head(name):
                 p.requires_grad_(not frozen)
         self.frozen = frozen
         return True
@@ -57,5 +58,5 @@ class FineTuning:
         """A frozen body's BatchNorm layers back in eval mode (after ``model.train()``)."""
         if self.frozen:
             for name, m in module.named_modules():
-                if isinstance(m, _BatchNorm) and not (name == self.head or name.startswith(self.head + ".")):
+                if isinstance(m, _BatchNorm) and not self.in_head(name):
                     m.eval()

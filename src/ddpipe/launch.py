@@ -36,9 +36,10 @@ from ddpipe.data.loading import check_global_batch, input_size
 from ddpipe.data.store import PreparedDataError, load_meta
 from ddpipe.devices import cpu_count, resolve_auto, resolve_precision
 from ddpipe.exact import make_exact
+from ddpipe.finetune import FineTuning
 from ddpipe.hostshare import GpuLease, visible_gpus
 from ddpipe.models.pretrained import apply_pretrained, load_pretrained
-from ddpipe.models.registry import RENAMED, build_model, classifier_head, module_file
+from ddpipe.models.registry import RENAMED, build_model, module_file
 
 PACKAGED_TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "stages" / "train.py"
 
@@ -127,8 +128,7 @@ def check_network(cfg: Config, num_channels: int, num_classes: int, input_side: 
     try:
         if cfg.model.weights:
             apply_pretrained(model, load_pretrained(cfg.model.weights), num_classes)
-        if cfg.train.body_lr_ratio != 1.0 or cfg.train.freeze_body_epochs != "0":
-            classifier_head(model, num_classes)
+        FineTuning(cfg.train, model, num_classes)  # finds the classifier head when fine-tuning needs one
         if cfg.distributed.exact:
             make_exact(model)
     except ConfigError:

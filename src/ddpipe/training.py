@@ -257,14 +257,14 @@ class Trainer:
     # -- the start and the end -----------------------------------------------------------------
 
     def _describe(self) -> str:
-        info, tc = self.info, self.cfg.train
+        info, tc, derived = self.info, self.cfg.train, self.derived()
         sums = " + shared memory" if hostcomm.active() else ""
         return (f"world size {info.world_size} ({info.num_nodes} node(s), backend {info.backend or 'none'}{sums}, "
                 f"{self.device.type}, {torch.get_num_threads()} thread(s)/process), precision "
                 f"{self.compute.precision}, effective lr {self.effective_lr:.6g} ({tc.lr_scaling} scaling of "
-                f"{tc.base_lr:g}), global batch {self.derived()['global_batch_size']}, "
-                f"{self.steps_per_epoch} steps/epoch; network {self.cfg.model.name} at {self.derived()['input_size']}"
-                f"{' (model.name auto: ' + self.derived()['device_kind'] + ')' if self.auto_model else ''}")
+                f"{tc.base_lr:g}), global batch {derived['global_batch_size']}, "
+                f"{self.steps_per_epoch} steps/epoch; network {self.cfg.model.name} at {derived['input_size']}"
+                f"{' (model.name auto: ' + derived['device_kind'] + ')' if self.auto_model else ''}")
 
     def finish(self) -> dict[str, float]:
         """Write the run's outputs (rank 0) and close its MLflow run."""
