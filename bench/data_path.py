@@ -42,7 +42,7 @@ from ddpipe.config import load_config
 from ddpipe.data.loading import TrainingData
 from ddpipe.data.store import load_meta, open_split
 from ddpipe.data.transforms import decode
-from ddpipe.devices import cpu_count
+from ddpipe.devices import Compute, cpu_count
 
 STAGES = ("fetch", "prepare", "train", "evaluate")
 
@@ -224,11 +224,13 @@ def loader(size: int) -> list[dict]:
                 decode(split.blob(i), meta.num_channels)
             limit = max(limit, len(split) / (time.perf_counter() - t0))
         records = []
-        train = replace(cfg.train, batch_size_per_rank=64)
+        compute = Compute(torch.device("cpu"), "fp32", channels_last=False)
         for side in (64, 224):
+            read = replace(cfg, data=replace(cfg.data, image_size=side),
+                           paths=replace(cfg.paths, prepared=str(tmp / "p")))
             for workers in (0, 1, 2):
-                data = TrainingData.load(tmp / "p", meta, train, side, cfg.seed, 0, 1, torch.device("cpu"), False,
-                                         workers, False)
+                data = TrainingData.load(read, meta, compute, batch_size_per_rank=64, rank=0, world_size=1,
+                                         num_workers=workers)
                 try:
                     for _ in data.train_batches(0, 0, 4):  # workers started, first batches out
                         pass

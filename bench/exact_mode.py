@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from common import append_jsonl, config, markdown_table, print_machine, summary
 
 from ddpipe.data.store import Prepared
-from ddpipe.devices import Compute, resolve_auto
+from ddpipe.devices import Compute, auto_choice
 from ddpipe.distributed import DistInfo
 from ddpipe.training import training_module
 
@@ -31,7 +32,9 @@ FASHION_SHAPE = Prepared("random", [str(c) for c in range(10)], 1, "raw", [28, 2
 def step_ms(exact: bool, precision: str, batch: int, steps: int) -> float:
     info = DistInfo()
     overrides = [f"distributed.exact={str(exact).lower()}", f"train.precision={precision}"]
-    cfg = resolve_auto(config(overrides), info.device, FASHION_SHAPE.image_size[0])
+    cfg = config(overrides)
+    if cfg.model.name == "auto":  # as ddpipe.resolved picks it for these images on this device
+        cfg = replace(cfg, model=replace(cfg.model, name=auto_choice(info.device, FASHION_SHAPE.image_size[0])[0]))
     compute = Compute.resolve(cfg.train, info.device)
     torch.manual_seed(0)
     model = training_module(cfg, FASHION_SHAPE, info, compute)

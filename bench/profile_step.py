@@ -7,7 +7,7 @@
 The step is ``Trainer.train_step`` of a ``Trainer`` built from params.yaml (plus any ``key=value``
 overrides) for one plain process (no DDP; threads: ``distributed.threads_per_process``, default all
 cores): the model, precision, memory format, transform, optimizer and schedule the training uses, over
-the batches ``trainer.data.shards`` serves. After ``--warmup`` steps, ``--steps`` steps run under the
+the batches ``trainer.data.train_batches`` serves. After ``--warmup`` steps, ``--steps`` steps run under the
 profiler, with the batch gathering and the transform labelled. Prints the machine, the step time and
 the top ops by self CPU time as Markdown; appends to bench/results/profile_step.jsonl.
 """
@@ -25,7 +25,8 @@ from common import REPO, append_jsonl, config, markdown_table, print_machine
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from ddpipe.distributed import init_distributed
-from ddpipe.metrics import EpochMeter
+from ddpipe.metrics import EpochMeter, EpochProgress
+from ddpipe.resolved import resolve
 from ddpipe.training import Trainer
 
 LABELS = ("data: gather", "data: transform", "train_step")
@@ -49,7 +50,7 @@ def micro_batches(trainer: Trainer) -> Iterator[tuple[int, list[tuple]]]:
     """(epoch, one optimizer step's micro-batches), epoch after epoch, as ``Trainer.run_epoch`` takes them."""
     accum = trainer.cfg.train.grad_accum_steps
     for epoch in itertools.count():
-        batches = iter(trainer.data.shards.loader(epoch, 0, trainer.steps_per_epoch * accum))
+        batches = iter(trainer.data.train_batches(epoch, 0, trainer.steps_per_epoch * accum))
         for _ in range(trainer.steps_per_epoch):
             with record_function("data: gather"):
                 step = [next(batches) for _ in range(accum)]
@@ -72,9 +73,10 @@ def main(argv: list[str] | None = None) -> None:
     print_machine()
     cfg = config(args.overrides)
     cfg.paths.prepared = str(REPO / cfg.paths.prepared)  # an absolute path stays as it is
-    trainer = Trainer(cfg, init_distributed(cfg.distributed))  # one plain process: its device, its threads
+    info = init_distributed(cfg.distributed)  # one plain process: its device, its threads
+    trainer = Trainer(resolve(cfg, info.device), info)
     label_transform(trainer)
-    steps, meter = micro_batches(trainer), EpochMeter(trainer.device, EpochMeter.fresh())
+    steps, meter = micro_batches(trainer), EpochMeter(trainer.device, EpochProgress())
     trainer.model.train()
     for epoch, step in itertools.islice(steps, args.warmup):
         trainer.train_step(step, epoch, meter)
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
 def report(args: argparse.Namespace, trainer: Trainer, prof: profile, step_ms: float) -> None:
     """Wall ms per step (data included), the labelled phases' CPU ms per step, the top ops."""
     events = {e.key: e for e in prof.key_averages()}
-    batch = trainer.derived()["global_batch_size"]
+    batch = trainer.run.global_batch_size(trainer.info.world_size)
     ranked = sorted((e for e in events.values() if e.key not in LABELS), key=lambda e: e.self_cpu_time_total,
                     reverse=True)
     total = sum(e.self_cpu_time_total for e in ranked) or 1.0

@@ -4,7 +4,9 @@
     python -m ddpipe.launch --print [key=value ...]    # the checks and the command only
     python stages/train.py [key=value ...]             # one plain process
 
-Under torchrun each worker checks again (for a torchrun started by hand) and trains its rank.
+Workers that ddpipe.launch started skip its checks, and check only what it could not see: the world size
+the job formed (an elastic MIN:MAX job's) against the global batch. A worker started otherwise (a torchrun
+or python command by hand) runs every check first (ddpipe.launch.worker_config).
 """
 
 import os
@@ -13,25 +15,21 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddpipe.cli import load_or_exit
-from ddpipe.config import ConfigError
+from ddpipe.config import user_errors
 from ddpipe.data.store import PreparedDataError
-from ddpipe.launch import preflight
+from ddpipe.launch import worker_config
 
 
 @record  # under torchrun, the failing rank's traceback reaches the launcher's summary
 def main() -> None:
-    args = sys.argv[1:]
-    cfg = load_or_exit(args, "stages/train.py")
-    try:
-        preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    except (ConfigError, PreparedDataError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    cfg = load_or_exit(sys.argv[1:], "stages/train.py")
+    with user_errors(PreparedDataError):
+        run = worker_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     from ddpipe.preemption import EXIT_PREEMPTED, Preempted
     from ddpipe.training import train
 
     try:
-        train(cfg)
+        train(cfg, run)
     except Preempted as exc:  # the run is KILLED in MLflow; the same command resumes it
         print(f"training {exc}; run the same command to resume from the newest checkpoint "
               f"(exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)

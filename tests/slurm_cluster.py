@@ -20,6 +20,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from ddpipe.procs import alive
 from tests.conftest import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -213,12 +214,3 @@ class SlurmCluster:
         raise TimeoutError(f"job {job_id} still {self.job(job_id)['JobState']} after {seconds} s")
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is not running
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False

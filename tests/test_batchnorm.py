@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpipe import hostcomm
+from ddpipe import distributed as dd
 from ddpipe.batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
 from ddpipe.models.nets import ResNetSmall
 from tests.conftest import spawn
@@ -126,8 +126,8 @@ def _check_case(case: Case, rank: int) -> list[str]:
 
 
 def _sync_rank(rank: int, world: int, shared_memory: bool) -> None:
-    if shared_memory:  # the sums through ddpipe.hostcomm, as a one-host training makes them
-        hostcomm.enable(rank, world, timeout_s=60)
+    if shared_memory:  # the sums through shared memory, as a one-host training makes them
+        assert dd.use_host_sums(rank, world, timeout_s=60)
     failures = [f for case in CASES for f in _check_case(case, rank)]
     # a global batch of one sample: torch's BatchNorm over it raises, so every rank does
     _, synced = _layers(CASES[0])

@@ -45,35 +45,15 @@ def test_compute_on_cpu_autocasts_only_below_fp32() -> None:
     assert cpu_count() >= 1
 
 
-@pytest.mark.parametrize("amx, device, expected", [
-    (False, "cpu", ("resnet_compact", 128)), (True, "cpu", ("resnet_small", 256)),
-    (False, "cuda", ("resnet_small", 256)),
-])
-def test_auto_model_and_batch_follow_the_device(monkeypatch: pytest.MonkeyPatch, amx: bool, device: str,
-                                                 expected: tuple[str, int]) -> None:
-    monkeypatch.setattr(devices, "cpu_has_amx", lambda: amx)
-    cfg = devices.resolve_auto(load_config([]), torch.device(device), 28)  # params.yaml: both auto
-    assert (cfg.model.name, cfg.train.batch_size_per_rank) == expected
-    assert cfg.train.eval_batch_size_per_rank == 2 * expected[1]  # auto: twice the training batch
-
-
 @pytest.mark.parametrize("device, expected", [("cpu", ("resnet18", 64)), ("cuda", ("resnet50", 128))])
 def test_auto_picks_an_imagenet_network_for_large_inputs(device: str, expected: tuple[str, int]) -> None:
     """Above 64 px a side (encoded images: 224 by default) auto means torchvision's networks, whose stem
     downsamples at once; at 64 px and below, the small-image ones."""
     assert devices.auto_choice(torch.device(device), 64)[0] in ("resnet_compact", "resnet_small")
-    cfg = devices.resolve_auto(load_config([]), torch.device(device), 224)
-    assert (cfg.model.name, cfg.train.batch_size_per_rank) == expected
+    assert devices.auto_choice(torch.device(device), 224) == expected
 
 
-def test_explicit_model_and_batch_are_kept_on_every_device() -> None:
-    cfg = load_config(["model.name=seed_cnn", "train.batch_size_per_rank=32"])
-    for device in ("cpu", "cuda"):
-        resolved = devices.resolve_auto(cfg, torch.device(device), 28)
-        assert (resolved.model.name, resolved.train.batch_size_per_rank) == ("seed_cnn", 32)
-    mixed = devices.resolve_auto(load_config(["train.batch_size_per_rank=48"]), CPU, 28)
-    assert mixed.train.batch_size_per_rank == 48 and mixed.model.name != "auto"
-    assert mixed.train.eval_batch_size_per_rank == 96
+def test_an_explicit_eval_batch_is_kept() -> None:
     fixed = load_config(["train.eval_batch_size_per_rank=1000"])
-    assert devices.resolve_auto(fixed, CPU, 28).train.eval_batch_size_per_rank == 1000
     assert devices.eval_batch_size(fixed.train, CPU, 28) == 1000
+    assert devices.eval_batch_size(load_config(["train.batch_size_per_rank=48"]).train, CPU, 28) == 96

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ddpipe.batchnorm import convert_sync_batchnorm
-from ddpipe.config import TrainConfig
+from ddpipe.config import TrainConfig, load_config
 from ddpipe.data.loading import TrainingData
 from ddpipe.data.store import load_meta, open_split
 from ddpipe.data.transforms import BatchTransform
@@ -86,8 +86,9 @@ def test_augmentation_on_the_gpu_is_the_cpu_augmentation(prepared: Path) -> None
 
 
 def test_pinned_batches_reach_the_gpu_with_non_blocking_copies(prepared: Path) -> None:
-    cfg = TrainConfig(batch_size_per_rank=32)  # type: ignore[arg-type]  (an int, as resolve_auto makes it)
-    data = TrainingData.load(prepared, load_meta(prepared), cfg, None, 0, 0, 1, CUDA, True, 0, pin_memory=True)
+    cfg = load_config([f"paths.prepared={prepared}"], params_file=None)
+    data = TrainingData.load(cfg, load_meta(prepared), Compute(CUDA, "fp32", True), batch_size_per_rank=32, rank=0,
+                             world_size=1, num_workers=0)
     images, labels, _ = next(iter(data.train_batches(0)))
     assert images.is_pinned() and labels.is_pinned()
     on_gpu = images.to(CUDA, non_blocking=True)
@@ -104,10 +105,12 @@ def test_encoded_images_decoded_by_loader_workers_reach_the_gpu_pinned(tmp_path:
 
     src = generate(tmp_path / "imgs", 60, 3)
     prepare(DataConfig(dataset="imagefolder", source_dir=str(src)), 0, tmp_path / "raw", tmp_path / "p", workers=1)
-    cfg = TrainConfig(batch_size_per_rank=8)  # type: ignore[arg-type]  (an int, as resolve_auto makes it)
+    cfg = load_config([f"paths.prepared={tmp_path / 'p'}", "data.image_size=64", "seed=0"], params_file=None)
     meta = load_meta(tmp_path / "p")
-    workers = TrainingData.load(tmp_path / "p", meta, cfg, 64, 0, 0, 1, CUDA, True, 2, pin_memory=True)
-    plain = TrainingData.load(tmp_path / "p", meta, cfg, 64, 0, 0, 1, CUDA, True, 0, pin_memory=False)
+    workers = TrainingData.load(cfg, meta, Compute(CUDA, "fp32", True), batch_size_per_rank=8, rank=0, world_size=1,
+                                num_workers=2)
+    plain = TrainingData.load(cfg, meta, Compute(torch.device("cpu"), "fp32", True), batch_size_per_rank=8, rank=0,
+                              world_size=1, num_workers=0)
     try:
         for (images, labels, _), (expected, _, _) in zip(workers.train_batches(0), plain.train_batches(0)):
             assert images.is_pinned() and labels.is_pinned()

@@ -1,5 +1,5 @@
-"""Sums through shared memory (ddpipe.hostcomm): the same bits as gloo's, DDP's gradients unchanged, and
-a peer that dies or stops answering noticed."""
+"""Sums through shared memory (ddpipe.hostcomm, the transport behind ddpipe.distributed's sums): the same bits
+as gloo's, DDP's gradients unchanged, and a peer that dies or stops answering noticed."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddpipe import distributed as dd
 from ddpipe import hostcomm
 from ddpipe.devices import cpu_count
 from tests.conftest import spawn
@@ -22,7 +23,8 @@ pytestmark = pytest.mark.skipif(not hostcomm.usable(2, 2, torch.device("cpu"), "
 
 
 def _sums_rank(rank: int, world: int) -> None:
-    reduce = hostcomm.enable(rank, world, timeout_s=60)
+    reduce = dd.use_host_sums(rank, world, timeout_s=60)
+    assert reduce is not None
     g = torch.Generator().manual_seed(rank)
     # many calls of changing sizes and dtypes, so both halves of the segment are reused
     for i, (n, dtype) in enumerate([(129, torch.float64), (7, torch.float32), (200_000, torch.float32),
@@ -31,11 +33,11 @@ def _sums_rank(rank: int, world: int) -> None:
         expected = t.clone()
         dist.all_reduce(expected)
         assert reduce.fits(t)
-        assert torch.equal(hostcomm.all_reduce_sum(t), expected), (n, dtype)
+        assert torch.equal(dd.all_reduce_sum(t), expected), (n, dtype)
     big = torch.randn(hostcomm.SLOT_BYTES // 4 + 1, generator=g)  # one slot too large: gloo takes it
     expected = big.clone()
     dist.all_reduce(expected)
-    assert not reduce.fits(big) and torch.equal(hostcomm.all_reduce_sum(big), expected)
+    assert not reduce.fits(big) and torch.equal(dd.all_reduce_sum(big), expected)
     assert not any(p.name.startswith(f"ddpipe-{os.getuid()}-") for p in hostcomm.SHM_DIR.iterdir()), \
         "the segment's name is removed once every rank has mapped it"
 
@@ -49,11 +51,12 @@ def _ddp_rank(rank: int, world: int) -> None:
     net = nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 3))
     x = torch.randn(8, 10, generator=torch.Generator().manual_seed(rank))
     grads = []
+    info = dd.DistInfo(distributed=True, rank=rank, world_size=world)
     for shared in (False, True):
-        model = DDP(nn.Sequential(*[layer for layer in net]))
         if shared:
-            hostcomm.enable(rank, world, timeout_s=60)
-            model.register_comm_hook(None, hostcomm.ddp_comm_hook)
+            assert dd.use_host_sums(rank, world, timeout_s=60)
+        model = dd.wrap_ddp(nn.Sequential(*[layer for layer in net]), info) if shared else \
+            DDP(nn.Sequential(*[layer for layer in net]))
         net.zero_grad(set_to_none=True)
         model(x).square().mean().backward()
         grads.append([p.grad.clone() for p in net.parameters()])
@@ -65,7 +68,7 @@ def test_ddp_gradients_through_shared_memory_equal_the_default_hooks() -> None:
 
 
 def _dead_peer_rank(rank: int, world: int) -> None:
-    reduce = hostcomm.enable(rank, world, timeout_s=60)
+    reduce = hostcomm.open_segment(rank, world, timeout_s=60)
     if rank == 1:
         os._exit(0)  # gone without a word
     started = time.monotonic()
@@ -75,7 +78,7 @@ def _dead_peer_rank(rank: int, world: int) -> None:
 
 
 def _silent_peer_rank(rank: int, world: int) -> None:
-    reduce = hostcomm.enable(rank, world, timeout_s=2)
+    reduce = hostcomm.open_segment(rank, world, timeout_s=2)
     if rank == 0:
         with pytest.raises(RuntimeError, match=r"timed out after 2 s waiting for rank\(s\) \[1\]"):
             reduce.all_reduce_(torch.ones(3))
@@ -90,9 +93,9 @@ def test_a_peer_that_dies_or_stops_answering_is_reported() -> None:
 
 def _no_segment_rank(rank: int, world: int) -> None:
     hostcomm.SHM_DIR = Path("/nonexistent-ddpipe-test")  # this spawned process only
-    assert hostcomm.enable(rank, world, timeout_s=60) is None and hostcomm.active() is None
+    assert dd.use_host_sums(rank, world, timeout_s=60) is None
     t = torch.full((3,), float(rank + 1))
-    assert torch.equal(hostcomm.all_reduce_sum(t), torch.full((3,), 3.0))  # over gloo
+    assert torch.equal(dd.all_reduce_sum(t), torch.full((3,), 3.0))  # over gloo
 
 
 def test_without_a_segment_every_rank_sums_over_gloo() -> None:

@@ -14,6 +14,7 @@ import torch
 
 from ddpipe import hostshare
 from ddpipe.hostshare import GpuLease, HostShare
+from ddpipe.procs import start_time
 
 
 @pytest.fixture
@@ -27,7 +28,7 @@ def eight_cores(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _register(registry: Path, pid: int, content: str = "0") -> Path:
     """Process ``pid``'s entry: the threads it holds (0: it shares), or in the GPU registry its GPUs."""
-    entry = registry / f"{pid}-{hostshare._start_time(pid)}"
+    entry = registry / f"{pid}-{start_time(pid)}"
     entry.write_text(content)
     return entry
 

@@ -15,7 +15,7 @@ import yaml
 
 from ddpipe.config import ConfigError, DistributedConfig
 from ddpipe.hostshare import GpuLease
-from ddpipe.launch import resolve_nproc, torchrun_command
+from ddpipe.launch import Job, resolve_job, torchrun_command
 from ddpipe.preemption import EXIT_PREEMPTED
 from tests.conftest import ROOT, args_for, run, subprocess_env
 
@@ -67,10 +67,10 @@ def test_mistakes_that_need_the_node_or_the_data_fail_before_torchrun(prepared: 
 def test_nproc_is_refused_above_the_cores_of_a_cpu_node(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     monkeypatch.setattr("ddpipe.launch.cpu_count", lambda: 4)
-    assert resolve_nproc(DistributedConfig(nproc_per_node="4")) == 4
-    assert resolve_nproc(DistributedConfig(nproc_per_node="auto")) == 1
+    assert resolve_job(DistributedConfig(nproc_per_node="4")) == Job(4, 1, 1)
+    assert resolve_job(DistributedConfig(nproc_per_node="auto", nnodes="2:4")) == Job(1, 2, 4)
     with pytest.raises(ConfigError, match="it has 4 CPU cores"):
-        resolve_nproc(DistributedConfig(nproc_per_node="5"))
+        resolve_job(DistributedConfig(nproc_per_node="5"))
 
 
 def test_on_a_gpu_host_the_launcher_runs_torchrun_on_the_gpus_it_leased(

@@ -96,3 +96,61 @@ def test_imports_only_point_down_the_readme_map() -> None:
     for i, module in enumerate(order):
         above = set(order[:i + 1])
         assert not _imported_modules(_module_file(module)) & above, f"{module} imports a module listed above it"
+
+
+# ---------------------------------------------------------------------------------------------
+# The code's shape (README's map): what a newcomer relies on finding where it is said to be
+
+def test_classes_stay_small_and_the_trainer_smaller() -> None:
+    sizes = {}
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                sizes[f"{path.relative_to(SRC)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert {name: n for name, n in sizes.items() if n > 200} == {}
+    assert sizes["training.py:Trainer"] <= 170
+
+
+def test_the_tracker_records_a_run_and_writes_no_output_of_the_train_stage() -> None:
+    text = (SRC / "tracking.py").read_text()
+    assert len(text.splitlines()) < 300
+    for key in ("paths.model", "paths.train_metrics", "paths.history", "paths.run_info", "save_model"):
+        assert key not in text, key
+
+
+def test_collectives_are_called_only_by_distributed_and_its_transport() -> None:
+    """torch.distributed's collectives (and its import) appear in distributed.py and hostcomm.py only; everything
+    else sums, broadcasts and waits through ddpipe.distributed."""
+    allowed = {SRC / "distributed.py", SRC / "hostcomm.py"}
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n == "torch.distributed" or n.startswith("torch.distributed.") and not n.startswith(
+                    ("torch.distributed.run", "torch.distributed.elastic")) for n in names):
+                assert path in allowed, f"{path.relative_to(SRC)} imports torch.distributed"
+
+
+def test_importing_any_module_sets_no_environment_variable() -> None:
+    """Settings a module needs are applied where they are used (e.g. MLflow's HTTP bounds when a tracker is
+    made), never as a side effect of an import."""
+    import subprocess
+    import sys
+
+    modules = sorted({".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
+                      for p in SRC.rglob("*.py")} - {"__init__", ""})
+    code = ("import os, importlib, json, mlflow, mlflow.pyfunc, torch, torchvision\n"  # what they set themselves
+            "before = dict(os.environ)\n"
+            f"for m in {modules!r}: importlib.import_module('ddpipe.' + m)\n"
+            "print(json.dumps(sorted(k for k in os.environ if os.environ.get(k) != before.get(k))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert yaml.safe_load(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_docs_speak_of_what_the_code_does_not_of_issue_numbers() -> None:
+    import re
+
+    for doc in (ROOT / "README.md", ROOT / "BENCHMARKS.md", ROOT / "deploy" / "README.md"):
+        found = re.findall(r"\bissues? #?\d+", doc.read_text(), flags=re.IGNORECASE)
+        assert found == [], f"{doc.name}: {found}"

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from ddpipe.procs import alive
 from tests.conftest import CLONE_ENV, ROOT, STOPPED, args_for, same_weights, wait_for_step_checkpoint, weights
-from tests.slurm_cluster import SlurmCluster, alive, unavailable
+from tests.slurm_cluster import SlurmCluster, unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))]
 

@@ -37,7 +37,9 @@ def test_children_group_by_what_varies_besides_the_seed() -> None:
 
 
 def test_an_unknown_sweep_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert main(["no-such-sweep", f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db"]) == 2
+    with pytest.raises(SystemExit) as exits:
+        main(["no-such-sweep", f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
+    assert exits.value.code == 2
     assert "mlflow.sweep = 'no-such-sweep': no parent run" in capsys.readouterr().err
 
 

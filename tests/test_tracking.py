@@ -12,9 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddpipe.config import Config, MlflowConfig, load_config
+from ddpipe.config import Config, DistributedConfig, MlflowConfig, load_config
 from ddpipe.distributed import DistInfo
-from ddpipe.tracking import MlflowTracker, NullTracker, dvc_hash, make_tracker, tracking_uri
+from ddpipe.launch import torchrun_command
+from ddpipe.runstore import dvc_hash, tracking_uri
+from ddpipe.tracking import MlflowTracker, NullTracker, make_tracker
 from tests.conftest import (
     CLONE_ENV,
     CLONE_PARAMS,
@@ -42,6 +44,9 @@ def test_only_global_rank_zero_tracks() -> None:
     assert isinstance(make_tracker(MlflowConfig(), DistInfo(rank=0, **two_nodes)), MlflowTracker)
     other = make_tracker(MlflowConfig(), DistInfo(rank=1, **two_nodes))
     assert type(other) is NullTracker and other.log_metrics({"x": 1.0}, step=0) is None
+    # a true do-nothing twin: no process group exists here, and it needs none (the run id reaches the other
+    # ranks through ddpipe.distributed, from the trainer)
+    assert other.start(Config(), {}, None, Path("nowhere")) is None and other.run_id is None
 
 
 def test_tracking_uri_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -128,11 +133,11 @@ def test_real_mlflow_server_gets_system_metrics_from_every_node(tmp_path: Path, 
         wait_for_url(f"{uri}/health", 90, server)
         rdzv = free_port()
         env = subprocess_env({"MLFLOW_TRACKING_URI": uri, "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "600"})
-        agents = [subprocess.Popen(
-            [str(VENV_BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
-             f"--rdzv-endpoint=127.0.0.1:{rdzv}", "--rdzv-id=sysmetrics", str(ROOT / "stages" / "train.py"),
-             *args_for(tmp_path, prepared, "num_epochs=2")],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+        two_nodes = DistributedConfig(nnodes="2", rdzv_endpoint=f"127.0.0.1:{rdzv}", rdzv_id="sysmetrics")
+        cmd = torchrun_command(two_nodes, 1, args_for(tmp_path, prepared, "num_epochs=2"),
+                               script=ROOT / "stages" / "train.py")
+        agents = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                  for _ in range(2)]
         for agent in agents:
             out, _ = agent.communicate(timeout=600)
             assert agent.returncode == 0, out[-4000:]

@@ -5,31 +5,17 @@ torch.nn.SyncBatchNorm raises for CPU tensors, so on a gloo process group ``CPUS
 ``ExactBatchNorm`` is the BatchNorm of the world-size-exact mode (``ddpipe.exact`` explains that mode): its
 sums over the batch have the same bits at any world size. Both update the running statistics as torch does,
 form the input gradient by one formula (``batchnorm_input_grad``) and apply per-channel scales and shifts with
-one fused kernel (``affine``). Setting up the process group is ``ddpipe.distributed``'s job; the CPU
-SyncBatchNorm's sums go through ``ddpipe.hostcomm`` (shared memory when every rank is on this host), the
-exact one's through torch.distributed.
+one fused kernel (``affine``). Setting up the process group, and every sum over ranks, is
+``ddpipe.distributed``'s job (shared memory when every rank is on this host and the mode is not exact).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ddpipe import hostcomm
-
-
-def world_size() -> int:
-    """Ranks in the default process group (1 without one)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def global_sum(t: torch.Tensor, world: int) -> torch.Tensor:
-    """Sum of an fp64 tensor over the ranks."""
-    if world > 1:
-        dist.all_reduce(t)
-    return t
+from ddpipe.distributed import all_reduce_sum, world_size
 
 
 def affine(t: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -92,7 +78,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             stats = torch.cat([mean_l * n_l, (var_l + mean_l * mean_l) * n_l, mean_l.new_full((1,), n_l)])
         else:
             stats = torch.zeros(2 * c + 1, dtype=torch.float64, device=x.device)
-        hostcomm.all_reduce_sum(stats)
+        all_reduce_sum(stats)
         total = stats[2 * c]
         _check_global_count(total, x)
         mean64 = stats[:c] / total
@@ -118,7 +104,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             sum_dy_xhat = sum_dy = torch.zeros_like(mean)
         grad_weight, grad_bias = sum_dy_xhat.clone(), sum_dy.clone()  # local, as DDP expects
         both = torch.cat([sum_dy.double(), sum_dy_xhat.double()])
-        hostcomm.all_reduce_sum(both)
+        all_reduce_sum(both)
         mean_dy, mean_dy_xhat = (both[:c] / ctx.total).float(), (both[c:] / ctx.total).float()
         if weight is None:
             dx = batchnorm_input_grad(dy, x, None, mean, invstd, mean_dy, mean_dy_xhat)
@@ -144,8 +130,7 @@ class CPUSyncBatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {x.dim()}D input)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.training and dist.is_available() and dist.is_initialized()
-                and dist.get_world_size() > 1):
+        if not (self.training and world_size() > 1):
             return super().forward(x)
         self._check_input_dim(x)
         if x.shape[1] == 0:
@@ -182,7 +167,7 @@ class _ExactBatchNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, eps, world):
         xf, c = x.float(), x.shape[1]
         parts = torch.stack([_per_sample_sums(xf), _per_sample_sums(xf * xf)]).double().sum(1).flatten()
-        sums = global_sum(torch.cat([parts, parts.new_full((1,), x.numel() // c)]), world)
+        sums = all_reduce_sum(torch.cat([parts, parts.new_full((1,), x.numel() // c)]))
         count = sums[2 * c]
         mean = sums[:c] / count
         var = (sums[c:2 * c] / count - mean * mean).clamp_min(0.0)
@@ -198,7 +183,7 @@ class _ExactBatchNormFunction(torch.autograd.Function):
         x, weight, mean, invstd, count = ctx.saved_tensors
         dyf, xf = dy.float(), x.float()
         parts = torch.stack([_per_sample_sums(dyf), _per_sample_sums(dyf * xf)]).double().sum(1).flatten()
-        sum_dy, sum_dy_x = global_sum(parts, ctx.world).view(2, -1)
+        sum_dy, sum_dy_x = all_reduce_sum(parts).view(2, -1)
         sum_dy_xhat = (sum_dy_x - mean * sum_dy) * invstd
         dx = batchnorm_input_grad(dyf, xf, weight.double(), mean, invstd, sum_dy / count, sum_dy_xhat / count)
         return (dx.to(x.dtype), (sum_dy_xhat / ctx.world).to(weight.dtype), (sum_dy / ctx.world).to(weight.dtype),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from ddpipe.config import Config, ConfigError, load_config
+from ddpipe.config import Config, load_config, user_errors
 
 USAGE = "usage: python {script} [key=value ...]   (keys as in params.yaml, e.g. num_epochs=20)"
 
@@ -17,19 +17,13 @@ def load_or_exit(argv: list[str], script: str) -> Config:
         print(USAGE.format(script=script))
         print("Every parameter, its default and accepted values: python -m ddpipe.config --schema")
         raise SystemExit(0)
-    try:
+    with user_errors():
         return load_config(argv)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
-def run_stage(work: Callable[[Config], object], script: str, user_errors: tuple[type[Exception], ...] = ()) -> None:
+def run_stage(work: Callable[[Config], object], script: str, errors: tuple[type[Exception], ...] = ()) -> None:
     """Load the config from the command line and run ``work``; errors the user can fix (bad
     parameters, missing or corrupt data) print one message and exit non-zero, without a traceback."""
     cfg = load_or_exit(sys.argv[1:], script)
-    try:
+    with user_errors(*errors, code=1):
         work(cfg)
-    except (ConfigError, *user_errors) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2 if isinstance(exc, ConfigError) else 1) from None

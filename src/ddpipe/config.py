@@ -12,12 +12,14 @@ shapes the training trajectory. That one table drives the checks, the printed sc
 
 # No ``from __future__ import annotations`` here: the schema's field types must stay real types at
 # runtime (OmegaConf.structured reads them, and so do the checks and the printed schema).
+import contextlib
 import dataclasses
 import difflib
 import math
 import operator
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, get_args
@@ -32,6 +34,19 @@ DEFAULT_PARAMS_FILE = "params.yaml"
 
 class ConfigError(ValueError):
     """A parameter the user set is unknown, of the wrong type, or out of range."""
+
+
+@contextlib.contextmanager
+def user_errors(*kinds: type[Exception], code: int = 2, context: str = "") -> Iterator[None]:
+    """A command's exit on the user's mistakes: a :class:`ConfigError` (exit 2), or one of ``kinds`` (exit
+    ``code``: a missing or corrupt file, data that cannot be read), raised inside, prints one line
+    ``error: <message><context>`` on stderr and exits without a traceback. Wrap the checks made before any work
+    starts, so that nothing is written yet when it exits."""
+    try:
+        yield
+    except (ConfigError, *kinds) as exc:
+        print(f"error: {exc}{context}", file=sys.stderr)
+        raise SystemExit(2 if isinstance(exc, ConfigError) else code) from None
 
 
 def param(
@@ -108,7 +123,7 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: str = param(
-        "auto", "Network to train: auto (by device and input size, ddpipe.devices.resolve_auto; logged), one of "
+        "auto", "Network to train: auto (by device and input size, ddpipe.resolved.resolve; logged), one of "
         "ddpipe's (" + ", ".join(OWN_MODELS) + "), any torchvision classification model by its name (resnet50, "
         "efficientnet_b0, convnext_tiny, vit_b_16, ...: its own ImageNet stem), a timm model when timm is installed, "
         "or module.path:ClassName (a class importable from the repository root, built with in_channels, "
@@ -156,7 +171,7 @@ class TrainConfig:
         "0", "Fine-tuning: train only the classifier head for this many epochs (the body's weights fixed, its "
         "BatchNorm in eval mode), then everything; all: the body stays frozen for good.", int_or=("all",), ge=0,
     )
-    # an int once resolved for the device (ddpipe.devices.resolve_auto); OmegaConf has no int-or-word type
+    # as the user set it; ddpipe.resolved holds the int it becomes (OmegaConf has no int-or-word type)
     batch_size_per_rank: str = param(
         "auto", "Training micro-batch per process: an int, or auto (the device's default, with model.name's).",
         int_or=("auto",),
@@ -199,6 +214,7 @@ class TrainConfig:
 
 @dataclass
 class DistributedConfig:
+    # nproc_per_node and nnodes as the user set them (auto, MIN:MAX); ddpipe.launch.Job holds the ints they become
     nproc_per_node: str = param(
         "auto", "Processes per node: an int, or auto (one per GPU; on a CPU-only machine 1, using every core).",
         int_or=("auto",), trajectory=False,
@@ -577,11 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     if "--schema" in argv:
         print(schema_table())
         return 0
-    try:
+    with user_errors():
         print(to_yaml(load_config(argv)), end="")
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     return 0
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from ddpipe.config import Config, ConfigError, TrainConfig
+from ddpipe.config import ConfigError, TrainConfig
 
 
 def cpu_count() -> int:
@@ -39,7 +39,7 @@ def cpu_has_amx() -> bool:
 # at 2.2x resnet_small's images/s in fp32 on an AVX2/AVX512 CPU; resnet_small at batch 256 is the
 # combination measured on an AMX Xeon (bf16, 0.44x the reference loop's time) and the one the GPU
 # tests ran, kept unchanged there until the compact one is measured on those devices.
-AUTO_CHOICES = {  # device_kind -> (model.name, train.batch_size_per_rank)
+AUTO_CHOICES = {  # device_kind -> (model.name, train.batch_size_per_rank), applied by ddpipe.resolved
     "cpu": ("resnet_compact", 128),  # a CPU without AMX
     "cpu-amx": ("resnet_small", 256),
     "cuda": ("resnet_small", 256),
@@ -63,21 +63,6 @@ def auto_choice(device: torch.device, side: int) -> tuple[str, int]:
     """(model.name, train.batch_size_per_rank) that ``auto`` means on ``device`` for inputs ``side`` px a side."""
     table = AUTO_CHOICES if side <= SMALL_INPUT else AUTO_LARGE_INPUT
     return table[device_kind(device)]
-
-
-def resolve_auto(cfg: Config, device: torch.device, side: int) -> Config:
-    """``cfg`` with ``model.name`` and ``train.batch_size_per_rank`` made concrete for ``device`` and inputs of
-    ``side`` px a side (auto: :func:`auto_choice`; an explicit value is kept, as an int for the batch), and
-    ``train.eval_batch_size_per_rank`` (auto: twice the training batch). The one place where the network
-    depends on the device; the training logs the result as its parameters."""
-    name, batch = auto_choice(device, side)
-    requested = cfg.train.batch_size_per_rank
-    return replace(
-        cfg,
-        model=replace(cfg.model, name=name) if cfg.model.name == "auto" else cfg.model,
-        train=replace(cfg.train, batch_size_per_rank=batch if requested == "auto" else int(requested),
-                      eval_batch_size_per_rank=eval_batch_size(cfg.train, device, side)),
-    )
 
 
 def eval_batch_size(cfg: TrainConfig, device: torch.device, side: int) -> int:

@@ -1,8 +1,13 @@
-"""All distributed plumbing: process group set-up and tear-down, rank/device/backend, threads, and
-reductions (BatchNorm over the global batch is ``ddpipe.batchnorm``'s).
+"""All distributed plumbing: process group set-up and tear-down, rank/device/backend, threads, and every
+exchange between ranks (BatchNorm over the global batch is ``ddpipe.batchnorm``'s, and sums through it).
 
 Under ``torchrun`` the environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK...)
 says who we are; as a plain ``python`` process we are rank 0 of 1 and no process group exists.
+
+One way to sum over ranks: :func:`all_reduce_sum` (SyncBatchNorm's statistics, the epoch's sums, validation)
+and DDP's gradient hook (:func:`wrap_ddp`). When every rank of a CPU job runs on this host, sums that fit go
+through shared memory (``ddpipe.hostcomm``, a transport: ``distributed.shared_memory``), else through the
+process group. torch.distributed's collectives are called here and in that transport only.
 """
 
 from __future__ import annotations
@@ -10,11 +15,14 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from ddpipe import hostcomm
 from ddpipe.config import DistributedConfig
 from ddpipe.devices import cpu_count
 
@@ -33,6 +41,7 @@ class DistInfo:
     device: torch.device = torch.device("cpu")
     backend: str | None = None
     processes_on_host: int = 1  # this job's processes on this host (several agents may share one)
+    sums: str = "none"  # how sums over ranks travel: "shared memory" (ddpipe.hostcomm), "gloo"/"nccl", or "none"
 
     @property
     def is_main(self) -> bool:
@@ -95,7 +104,32 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
     num_nodes = max(1, world_size // max(1, local_world_size))
     return DistInfo(distributed=under_launcher, rank=rank, local_rank=local_rank, world_size=world_size,
                     local_world_size=local_world_size, num_nodes=num_nodes, device=device, backend=backend,
-                    processes_on_host=sharing)
+                    processes_on_host=sharing, sums=backend or "none")
+
+
+def open_host_sums(cfg: DistributedConfig, info: DistInfo) -> DistInfo:
+    """Sums over ranks through shared memory from now on, when ``distributed.shared_memory`` is on, the mode is
+    not exact (its sums stay on gloo, as it was measured) and every rank is a CPU process of this host (a
+    collective: every rank calls it after :func:`init_distributed`); ``info`` saying how sums travel."""
+    if not (cfg.shared_memory and not cfg.exact and info.distributed and hostcomm.usable(
+            info.world_size, info.processes_on_host, info.device, info.backend)):
+        return info
+    segment = use_host_sums(info.rank, info.world_size, cfg.timeout_s)
+    return replace(info, sums="shared memory" if segment is not None else info.sums)
+
+
+# This process's shared-memory transport while it is on (set by use_host_sums, dropped by cleanup): read only by
+# the sums below, as torch.distributed keeps its default group.
+_host_sums: hostcomm.HostReduce | None = None
+
+
+def use_host_sums(rank: int, world: int, timeout_s: float) -> hostcomm.HostReduce | None:
+    """Send this process's sums that fit through one shared-memory segment of this host's ranks (a collective:
+    every rank calls it; :func:`open_host_sums` does when ``distributed.shared_memory`` allows); the segment.
+    None, with rank 0 saying why, if it cannot be made: every sum then stays on the process group."""
+    global _host_sums
+    _host_sums = hostcomm.open_segment(rank, world, timeout_s)
+    return _host_sums
 
 
 class CollectiveTimeout(RuntimeError):
@@ -127,8 +161,16 @@ def explain_timeout(exc: BaseException, info: DistInfo, timeout_s: int) -> Colle
 
 
 def cleanup() -> None:
+    """Leave the process group and drop the shared-memory transport."""
+    global _host_sums
+    _host_sums = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def world_size() -> int:
+    """Ranks in the default process group (1 without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def barrier(info: DistInfo) -> None:
@@ -136,11 +178,42 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
-def all_reduce_sum(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    """Sum over ranks in place (no-op for one process)."""
-    if info.distributed:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+def all_reduce_sum(tensor: torch.Tensor, info: DistInfo | None = None) -> torch.Tensor:
+    """``tensor`` replaced by its sum over the ranks (every rank calls it with the same shape and dtype): through
+    shared memory when that transport is on and the tensor fits, else the process group; a no-op for one
+    process (or when ``info`` says this one is alone)."""
+    if (info is not None and not info.distributed) or world_size() == 1:
+        return tensor
+    if _host_sums is not None and _host_sums.fits(tensor):
+        return _host_sums.all_reduce_(tensor)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def wrap_ddp(module: nn.Module, info: DistInfo, **kwargs: Any) -> nn.Module:
+    """``module`` in DistributedDataParallel on this rank's device, its gradients averaged through the same
+    transport as :func:`all_reduce_sum`."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(module, device_ids=[info.device.index] if info.device.type == "cuda" else None, **kwargs)
+    if _host_sums is not None:
+        model.register_comm_hook(_host_sums, hostcomm.ddp_comm_hook)
+    return model
+
+
+def flag_group(info: DistInfo, timeout_s: int) -> Any:
+    """A gloo group of every rank for one-integer CPU exchanges (the default group of a gloo job, a new one beside
+    NCCL, so that asking never waits for the GPU); None without a process group."""
+    if not info.distributed:
+        return None
+    if info.backend == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def start_max(tensor: torch.Tensor, group: Any) -> dist.Work:
+    """Begin the all-reduce of ``tensor``'s maximum over ``group`` in place; ``.wait()`` on the result ends it."""
+    return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
 
 
 def broadcast_object(obj: object, info: DistInfo) -> object:

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ddpipe.batchnorm import ExactBatchNorm, global_sum, world_size
+from ddpipe.batchnorm import ExactBatchNorm
+from ddpipe.distributed import all_reduce_sum, world_size
 
 
 def _param_grads(grad_w: torch.Tensor, grad_b: torch.Tensor | None, world: int,
@@ -39,7 +40,7 @@ def _param_grads(grad_w: torch.Tensor, grad_b: torch.Tensor | None, world: int,
     """Local fp64 weight (and bias) gradients -> global sum / world size, rounded once to ``dtype``;
     one all-reduce for both."""
     flat = torch.cat([grad_w.flatten()] + ([grad_b] if grad_b is not None else []))
-    flat = global_sum(flat, world) / world
+    flat = all_reduce_sum(flat) / world
     n = grad_w.numel()
     return flat[:n].view(grad_w.shape).to(dtype), (flat[n:].to(dtype) if grad_b is not None else None)
 
@@ -133,28 +134,36 @@ class ExactLinear(_ExactLayer, nn.Linear):
         return _LinearFn.apply(x, self.weight, self.bias, dtype, world)
 
 
-def make_exact(model: nn.Module) -> nn.Module:
-    """The model with its Conv2d, Linear and BatchNorm layers made world-size exact (in place: same
-    parameters and buffers, so the state dict and a rebuilt plain model load each other). Raises
-    ValueError naming the first layer this mode cannot make exact."""
+def check_exact(model: nn.Module) -> None:
+    """ValueError naming the first layer of ``model`` that this mode cannot make exact; the model is untouched."""
     for name, module in model.named_modules():
         if type(module) is nn.Conv2d:
             if module.groups != 1 or module.padding_mode != "zeros" or isinstance(module.padding, str):
                 raise ValueError(f"distributed.exact: layer {name!r} is a Conv2d with groups={module.groups}, "
                                  f"padding={module.padding!r}, padding_mode={module.padding_mode!r}; accepted: "
                                  "groups 1 and numeric zero padding")
-            module.__class__ = ExactConv2d
-        elif type(module) is nn.Linear:
-            module.__class__ = ExactLinear
         elif isinstance(module, _BatchNorm):
             if not module.affine:
                 raise ValueError(f"distributed.exact: layer {name!r} is a BatchNorm without affine parameters; "
                                  "accepted: affine BatchNorm")
-            module.__class__ = ExactBatchNorm
-        elif not isinstance(module, (ExactConv2d, ExactLinear, ExactBatchNorm)) and \
+        elif type(module) is not nn.Linear and not isinstance(module, (ExactConv2d, ExactLinear)) and \
                 any(True for _ in module.parameters(recurse=False)):
             raise ValueError(f"distributed.exact: layer {name!r} ({type(module).__name__}) has parameters but no "
                              "world-size-exact implementation; accepted: Conv2d, Linear and BatchNorm layers")
+
+
+def make_exact(model: nn.Module) -> nn.Module:
+    """The model with its Conv2d, Linear and BatchNorm layers made world-size exact (in place: same
+    parameters and buffers, so the state dict and a rebuilt plain model load each other). Raises
+    ValueError naming the first layer this mode cannot make exact (:func:`check_exact`), before changing any."""
+    check_exact(model)
+    for module in model.modules():
+        if type(module) is nn.Conv2d:
+            module.__class__ = ExactConv2d
+        elif type(module) is nn.Linear:
+            module.__class__ = ExactLinear
+        elif isinstance(module, _BatchNorm):
+            module.__class__ = ExactBatchNorm
     return model
 
 

@@ -10,7 +10,8 @@ sum. Used when every rank of the group runs on this host, on x86-64 (whose store
 plain sequence counter a correct flag), outside the world-size-exact mode
 (``distributed.shared_memory``); tensors larger than a slot go through gloo as before.
 
-A rank that dies is noticed at once (its pid is gone); one that stops answering makes the others
+A transport behind ``ddpipe.distributed``'s sums (``all_reduce_sum`` and the DDP hook it registers), not an API
+of its own. A rank that dies is noticed at once (its pid is gone); one that stops answering makes the others
 raise a timeout after ``distributed.timeout_s``, which the trainer reports like gloo's.
 """
 
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from ddpipe.procs import alive
 
 SLOT_BYTES = 1 << 20  # per rank and parity: BatchNorm statistics and DDP's first (1 MiB) gradient bucket
 SHM_DIR = Path("/dev/shm")
@@ -100,63 +103,40 @@ class HostReduce:
             start = start or time.monotonic()
             late = [r for r in range(self.world) if int(self._seqs[r]) < seq]
             for r in late:
-                try:
-                    os.kill(self.pids[r], 0)
-                except ProcessLookupError:
+                if not alive(self.pids[r]):
                     raise RuntimeError(f"rank {r} (pid {self.pids[r]}) exited during a shared-memory "
-                                       f"all-reduce (call {seq} of this rank)") from None
+                                       f"all-reduce (call {seq} of this rank)")
             if time.monotonic() - start > self.timeout_s:
                 raise RuntimeError(f"shared-memory all-reduce timed out after {self.timeout_s:g} s waiting for "
                                    f"rank(s) {late} (call {seq} of this rank)")
 
 
-_active: HostReduce | None = None
-
-
-def usable(world_size: int, processes_on_host: int, device: torch.device, backend: str) -> bool:
+def usable(world_size: int, processes_on_host: int, device: torch.device, backend: str | None) -> bool:
     """Every rank on this host, CPU tensors over gloo, x86-64, and a /dev/shm to share."""
     return (world_size > 1 and processes_on_host == world_size and device.type == "cpu" and backend == "gloo"
             and platform.machine().lower() in ("x86_64", "amd64") and SHM_DIR.is_dir())
 
 
-def enable(rank: int, world: int, timeout_s: float) -> HostReduce | None:
-    """Set up the segment (a collective: every rank calls it); :func:`all_reduce_sum` then uses it. If it
-    cannot be made (a full or missing /dev/shm), rank 0 says why and every rank's sums stay on gloo."""
-    global _active
+def open_segment(rank: int, world: int, timeout_s: float) -> HostReduce | None:
+    """The segment of this host's ranks (a collective: every rank calls it), or None if it cannot be made (a full
+    or missing /dev/shm): rank 0 then says why, and the caller's sums stay on gloo."""
     try:
-        _active = HostReduce(rank, world, timeout_s)
+        return HostReduce(rank, world, timeout_s)
     except SegmentUnavailable as exc:
         if rank == 0:
             print(f"warning: shared-memory sums unavailable ({exc}); summing over gloo", flush=True)
-        _active = None
-    return _active
-
-
-def disable() -> None:
-    global _active
-    _active = None
-
-
-def active() -> HostReduce | None:
-    return _active
-
-
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum ``t`` over the default group's ranks in place: shared memory when enabled and it fits, else gloo."""
-    if _active is not None and _active.fits(t):
-        return _active.all_reduce_(t)
-    dist.all_reduce(t)
-    return t
+        return None
 
 
 # No `from __future__ import annotations` in this module: DDP checks the hook's annotations as objects.
-def ddp_comm_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's gradient averaging (``register_comm_hook``) through :func:`all_reduce_sum`: like DDP's
-    default hook, each rank divides by the world size, then the ranks sum."""
+def ddp_comm_hook(state: HostReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's gradient averaging (``register_comm_hook(segment, ddp_comm_hook)``) through the segment ``state``:
+    like DDP's default hook, each rank divides by the world size, then the ranks sum (a bucket too large for a
+    slot goes through gloo)."""
     grads = bucket.buffer()
     grads.div_(dist.get_world_size())
-    if _active is not None and _active.fits(grads):
+    if state.fits(grads):
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        future.set_result(_active.all_reduce_(grads))
+        future.set_result(state.all_reduce_(grads))
         return future
     return dist.all_reduce(grads, async_op=True).get_future().then(lambda f: f.value()[0])

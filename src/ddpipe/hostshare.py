@@ -20,7 +20,6 @@ holding a lease, plus this one), and waits while none it needs are free. Its wor
 
 from __future__ import annotations
 
-import fcntl
 import os
 import sys
 import tempfile
@@ -31,20 +30,11 @@ from pathlib import Path
 import torch
 
 from ddpipe.devices import cpu_count
+from ddpipe.procs import alive, host_lock, start_time
 
 REGISTRY = Path(tempfile.gettempdir()) / f"ddpipe-{os.getuid()}-workers"
 GPU_REGISTRY = Path(tempfile.gettempdir()) / f"ddpipe-{os.getuid()}-gpus"
 RECHECK_S = 5.0  # also re-list this often, to notice workers that died without unregistering
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (None if it is gone or a zombie): with the pid
-    it names one process, even after the pid is reused."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 class HostShare:
@@ -60,8 +50,7 @@ class HostShare:
         self._seen_mtime, self._listed_at, self.workers, self.claimed = -1, 0.0, own_processes, 0
 
     def __enter__(self) -> HostShare:
-        start = _start_time(os.getpid())
-        if self.enabled and start is not None:  # Linux: /proc names the process
+        if self.enabled and start_time(os.getpid()) is not None:  # Linux: /proc names the process
             self.entry = _claim(self.registry, str(self.fixed or 0))
         return self
 
@@ -91,6 +80,11 @@ class HostShare:
                 self._live_workers(), mtime, time.monotonic()
         return max(1, (cpu_count() - self.claimed) // max(self.workers, self.own))
 
+    def cores(self, device: torch.device) -> int:
+        """Cores this rank may use: its CPU threads' share of the host, or on CUDA the host's cores over this
+        job's processes on it."""
+        return max(1, cpu_count() // self.own) if device.type == "cuda" else self.threads()
+
     def rebalance(self) -> int | None:
         """Apply this worker's share; the new thread count if it changed, else None."""
         threads = self.threads()
@@ -104,7 +98,7 @@ def _claim(registry: Path, content: str) -> Path:
     """This process's entry ``<pid>-<start time>`` in ``registry`` holding ``content``, written whole
     under another name and then renamed: a reader never sees a half-written one."""
     registry.mkdir(parents=True, exist_ok=True)
-    entry = registry / f"{os.getpid()}-{_start_time(os.getpid())}"
+    entry = registry / f"{os.getpid()}-{start_time(os.getpid())}"
     staged = registry / f"staged.{os.getpid()}"
     staged.write_text(content)
     os.replace(staged, entry)
@@ -116,7 +110,7 @@ def _live_entries(registry: Path) -> dict[Path, str]:
     live = {}
     for path in registry.glob("*-*"):
         pid, _, start = path.name.partition("-")
-        if pid.isdigit() and _start_time(int(pid)) == start:
+        if pid.isdigit() and alive(int(pid), start):
             try:
                 live[path] = path.read_text()
             except OSError:  # unregistered meanwhile
@@ -168,8 +162,7 @@ class GpuLease:
 
     def _try_take(self) -> list[str] | None:
         self.registry.mkdir(parents=True, exist_ok=True)
-        with open(self.registry / "lock", "a") as lock:  # one launcher at a time lists and claims
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with host_lock(self.registry / "lock"):  # one launcher at a time lists and claims
             leases = _live_entries(self.registry)
             held = {g for content in leases.values() for g in content.split(",") if g}
             free = [g for g in self.pool if g not in held]

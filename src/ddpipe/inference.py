@@ -19,9 +19,11 @@ sent and what is accepted.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
+import mlflow.models
 import mlflow.pyfunc
 import numpy as np
 import pandas as pd
@@ -29,8 +31,10 @@ import torch
 import torch.nn.functional as F
 from mlflow.pyfunc import PythonModelContext
 
+from ddpipe.config import Config
 from ddpipe.data.transforms import BatchTransform, EvalCrop
 from ddpipe.models.nets import predict_logits
+from ddpipe.models.registry import code_paths
 from ddpipe.models.saved import load_model
 
 
@@ -156,3 +160,54 @@ def prediction_frame(classifier: ImageClassifier, images: Any) -> pd.DataFrame:
         "probability": probs[np.arange(len(probs)), out["class_index"]],
         "probabilities": [row.tolist() for row in probs],
     })
+
+
+def log_model(mlflow: Any, run_id: str, model_path: Path, input_example: Any, cfg: Config) -> None:
+    """``model_path`` (``paths.model``) into the active run ``run_id`` as a pyfunc :class:`MlflowImageClassifier`
+    that a client calls with plain images; registered as a new version when ``mlflow.registered_model_name`` is
+    set. Nothing is logged when the run already holds this model (see :func:`_has_model`)."""
+    classifier = ImageClassifier.load(model_path)
+    if _has_model(mlflow, run_id, classifier.exported_epoch):
+        print(f"MLflow run {run_id} already holds this model; not logging it again", flush=True)
+        return
+    info = mlflow.pyfunc.log_model(
+        name="model", python_model=MlflowImageClassifier(), artifacts={"weights": str(model_path)},
+        # no input schema: N x H x W and N x C x H x W, integers or [0, 1] floats are all accepted
+        signature=mlflow.models.ModelSignature(outputs=prediction_schema()), input_example=input_example,
+        # ddpipe itself, and a network of the user's (model.name module:Class) with its file or package
+        code_paths=[str(Path(__file__).parent), *code_paths(cfg.model.name)],
+        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
+                          f"torchvision=={_torchvision_version()}", "omegaconf", "numpy", "pandas"],
+        metadata={"classes": classifier.classes, "image_size": list(classifier.image_size),
+                  "num_channels": classifier.num_channels, "exported_epoch": classifier.exported_epoch,
+                  "input": "uint8 pixels (N x H x W or N x C x H x W) or floats in [0, 1]",
+                  "output": "label, class_index, probability, probabilities (class order)"},
+        registered_model_name=cfg.mlflow.registered_model_name,
+    )
+    mlflow.set_tag("ddpipe.logged_model_epoch", str(classifier.exported_epoch))
+    if cfg.mlflow.registered_model_name and info.registered_model_version:
+        from ddpipe.runstore import git_tags  # not at the top: the served model ships this module, not the store's
+
+        client = mlflow.MlflowClient()
+        for key, value in {"dvc_exp_name": os.environ.get("DVC_EXP_NAME", ""),
+                           "git_commit": git_tags()["git_commit"], "run_id": run_id}.items():
+            client.set_model_version_tag(cfg.mlflow.registered_model_name, str(info.registered_model_version),
+                                         key, value)
+
+
+def _has_model(mlflow: Any, run_id: str, exported_epoch: Any) -> bool:
+    """Whether run ``run_id`` already holds a completely logged ``model`` of the same exported epoch (a re-run of
+    a finished training, e.g. ``dvc repro`` after a code-only change, rewrites its outputs from the last
+    checkpoint and must not log a second copy; one with train.export changed must)."""
+    run = mlflow.get_run(run_id)
+    if run.data.tags.get("ddpipe.logged_model_epoch") != str(exported_epoch):
+        return False
+    found = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list",
+                                        filter_string=f"source_run_id = '{run_id}' AND name = 'model'")
+    return any(str(m.status).upper().endswith("READY") for m in found)
+
+
+def _torchvision_version() -> str:
+    import torchvision
+
+    return torchvision.__version__.split("+")[0]

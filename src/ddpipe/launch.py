@@ -25,21 +25,22 @@ import signal
 import subprocess
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
 import torch
 
 from ddpipe.cli import load_or_exit
-from ddpipe.config import Config, ConfigError, DistributedConfig
-from ddpipe.data.loading import check_global_batch, input_size
-from ddpipe.data.store import PreparedDataError, load_meta
-from ddpipe.devices import cpu_count, resolve_auto, resolve_precision
-from ddpipe.exact import make_exact
+from ddpipe.config import Config, ConfigError, DistributedConfig, user_errors
+from ddpipe.data.store import PreparedDataError
+from ddpipe.devices import cpu_count, resolve_precision
+from ddpipe.exact import check_exact
 from ddpipe.finetune import FineTuning
 from ddpipe.hostshare import GpuLease, visible_gpus
 from ddpipe.models.pretrained import apply_pretrained, load_pretrained
 from ddpipe.models.registry import RENAMED, build_model, module_file
+from ddpipe.resolved import Resolved, resolve
 
 PACKAGED_TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "stages" / "train.py"
 
@@ -87,56 +88,81 @@ def _torchrun_accepts(flag: str) -> bool:
     return flag.split("=")[0] in get_args_parser()._option_string_actions
 
 
-def resolve_nproc(d: DistributedConfig) -> int:
-    """Processes on this node. ``auto``: one per visible GPU; on a CPU-only machine one process that
-    uses every core as intra-op threads, which measured faster than one single-thread process per
-    core (BENCHMARKS.md, "DDP overhead"). An int is refused above the GPUs (CUDA) or cores (CPU)."""
+# In the environment of the workers of a job this launcher checked (``preflight``): they skip those checks.
+CHECKED_ENV = "DDPIPE_LAUNCH_CHECKED"
+
+
+@dataclass(frozen=True)
+class Job:
+    """This node's part of a job, ``distributed.nproc_per_node`` and ``distributed.nnodes`` resolved."""
+
+    nproc_per_node: int
+    min_nodes: int
+    max_nodes: int
+
+    @property
+    def max_world_size(self) -> int:
+        """Processes in the job at its largest (an elastic ``MIN:MAX`` job's largest global batch)."""
+        return self.nproc_per_node * self.max_nodes
+
+
+def resolve_job(d: DistributedConfig) -> Job:
+    """Processes on this node and the job's nodes. ``auto``: one process per visible GPU; on a CPU-only machine
+    one process that uses every core as intra-op threads, which measured faster than one single-thread process
+    per core (BENCHMARKS.md, "DDP overhead"). An int is refused above the GPUs (CUDA) or cores (CPU)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nodes = [int(n) for n in d.nnodes.split(":")]  # N or MIN:MAX, checked by config.validate
     if d.nproc_per_node == "auto":
-        return gpus or 1
+        return Job(gpus or 1, nodes[0], nodes[-1])
     nproc = int(d.nproc_per_node)
     limit, what = (gpus, "visible GPUs") if gpus else (cpu_count(), "CPU cores this process may use")
     if nproc > limit:
         raise ConfigError(f"distributed.nproc_per_node = {nproc} is not accepted on this node: it has {limit} "
                           f"{what}; accepted: 1 to {limit}, or auto")
-    return nproc
+    return Job(nproc, nodes[0], nodes[-1])
 
 
-def preflight(cfg: Config, world_size: int) -> None:
+def this_device() -> torch.device:
+    """The kind of device this node's workers train on (each takes its own GPU: ``ddpipe.distributed``)."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def preflight(cfg: Config, world_size: int) -> Resolved:
     """Every check that needs this node's devices, the prepared data or the network, for a job of ``world_size``
-    processes: run before torchrun starts any worker (and by each worker, for a torchrun started by hand).
-    The network is built once here, with its pretrained weights (a torchvision name is downloaded into torch
-    hub's cache here, once, not by every worker), so a wrong name, keyword or weights file fails now."""
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    meta = load_meta(cfg.paths.prepared)
-    side = input_size(meta, cfg.data.image_size)[0]
-    cfg = resolve_auto(cfg, device, side)
+    processes, run before torchrun starts any worker (workers it started skip them: :data:`CHECKED_ENV`); the
+    configuration resolved for this node. The network is built once here, with its pretrained weights (a
+    torchvision name is downloaded into torch hub's cache here, once, not by every worker), so a wrong name,
+    keyword or weights file fails now."""
+    device = this_device()
+    run = resolve(cfg, device)
     resolve_precision(cfg.train.precision, device)
     if cfg.distributed.backend == "nccl" and device.type != "cuda":
         raise ConfigError("distributed.backend = 'nccl' needs CUDA GPUs; accepted here: auto or gloo")
     if cfg.distributed.exact and device.type != "cpu":
         raise ConfigError("distributed.exact = True is not accepted on CUDA (cuDNN picks its algorithms by "
                           "batch size, so results depend on the split); accepted there: false")
-    check_network(cfg, meta.num_channels, len(meta.classes), side)
-    check_global_batch(meta.sizes["train"], cfg.train, world_size)
+    check_network(run.cfg, run.meta.num_channels, len(run.meta.classes), run.input_size[0])
+    run.check_world_size(world_size)
+    return run
 
 
-def check_network(cfg: Config, num_channels: int, num_classes: int, input_side: int) -> None:
-    """model.name, model.kwargs and model.weights make a network (and exact mode supports it); the fine-tuning
-    keys find its classifier head. ConfigError (WeightsError for the weights) otherwise."""
+def check_network(cfg: Config, num_channels: int, num_classes: int, side: int) -> None:
+    """model.name (concrete), model.kwargs and model.weights make a network for ``side``-px images (and exact mode
+    supports it); the fine-tuning keys find its classifier head. ConfigError (WeightsError for the weights)
+    otherwise."""
     model = build_model(cfg.model, num_channels, num_classes)
     try:
         if cfg.model.weights:
             apply_pretrained(model, load_pretrained(cfg.model.weights), num_classes)
         FineTuning(cfg.train, model, num_classes)  # finds the classifier head when fine-tuning needs one
         if cfg.distributed.exact:
-            make_exact(model)
+            check_exact(model)
     except ConfigError:
         raise
     except ValueError as exc:
         raise ConfigError(f"{exc} (model.name = {cfg.model.name!r})") from None
-    if cfg.model.name in RENAMED and input_side <= 64:
-        print(f"note: model.name = {cfg.model.name!r} is torchvision's network, whose stem shrinks a {input_side}-px "
+    if cfg.model.name in RENAMED and side <= 64:
+        print(f"note: model.name = {cfg.model.name!r} is torchvision's network, whose stem shrinks a {side}-px "
               f"image 4x before its first block; the small-image variant this name meant before is "
               f"{RENAMED[cfg.model.name]!r} (README, 'Any network')", file=sys.stderr, flush=True)
     source = module_file(cfg.model.name)
@@ -146,12 +172,16 @@ def check_network(cfg: Config, num_channels: int, num_classes: int, input_side: 
               "'Your own network')", file=sys.stderr, flush=True)
 
 
-def checked_nproc(cfg: Config) -> int:
-    """This node's processes, after every check of :func:`preflight` for the job they make up (an
-    elastic ``MIN:MAX`` job at its largest: the largest global batch)."""
-    nproc = resolve_nproc(cfg.distributed)
-    preflight(cfg, nproc * int(cfg.distributed.nnodes.split(":")[-1]))
-    return nproc
+def worker_config(cfg: Config, world_size: int) -> Resolved:
+    """What a training worker of a job of ``world_size`` processes trains with. Started by this launcher
+    (:data:`CHECKED_ENV`): ``cfg`` resolved for its device and checked only for what the launcher could not see,
+    the world size the job formed (an elastic ``MIN:MAX`` job's) against the global batch, and the prepared data
+    still readable. Started otherwise (torchrun or python by hand): every check of :func:`preflight`."""
+    if not os.environ.get(CHECKED_ENV):
+        return preflight(cfg, world_size)
+    run = resolve(cfg, this_device())
+    run.check_world_size(world_size)
+    return run
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -159,29 +189,26 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     overrides = [a for a in argv if a != "--print"]
     cfg = load_or_exit(overrides, "-m ddpipe.launch")
-    try:
-        nproc = checked_nproc(cfg)  # fail here, before any worker starts on any node
-    except (ConfigError, PreparedDataError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    with user_errors(PreparedDataError):  # fail here, before any worker starts on any node
+        job = resolve_job(cfg.distributed)
+        preflight(cfg, job.max_world_size)
+    env = {**os.environ, CHECKED_ENV: "1"}
     if "--print" in argv or not torch.cuda.is_available() or cfg.distributed.nnodes != "1":
-        cmd = torchrun_command(cfg.distributed, nproc, overrides)
+        cmd = torchrun_command(cfg.distributed, job.nproc_per_node, overrides)
         print(" ".join(cmd), flush=True)
         if "--print" not in argv:
-            _exit(run_forwarding_stops(cmd))
+            _exit(run_forwarding_stops(cmd, env))
         return
     # GPUs on one host: leased while torchrun runs, so trainings at once split them (ddpipe.hostshare)
+    nproc = job.nproc_per_node
     with GpuLease(visible_gpus(), None if cfg.distributed.nproc_per_node == "auto" else nproc) as lease:
         if len(lease.gpus) != nproc:  # an `auto` training's share: the job is smaller, check it again
             nproc = len(lease.gpus)
-            try:
+            with user_errors(PreparedDataError, context=f" (with {nproc} of this host's GPUs: {','.join(lease.gpus)})"):
                 preflight(cfg, nproc)
-            except (ConfigError, PreparedDataError) as exc:
-                print(f"error: {exc} (with {nproc} of this host's GPUs: {','.join(lease.gpus)})", file=sys.stderr)
-                raise SystemExit(2) from None
         cmd = torchrun_command(cfg.distributed, nproc, overrides)
         print(f"CUDA_VISIBLE_DEVICES={','.join(lease.gpus)} {' '.join(cmd)}", flush=True)
-        code = run_forwarding_stops(cmd, {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(lease.gpus)})
+        code = run_forwarding_stops(cmd, {**env, "CUDA_VISIBLE_DEVICES": ",".join(lease.gpus)})
     _exit(code)
 
 

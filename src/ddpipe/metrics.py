@@ -47,18 +47,33 @@ class EpochStats:
                 f"{self.epoch_seconds:.1f} s")
 
 
+@dataclass(frozen=True)
+class EpochProgress:
+    """An epoch's training so far: its loss sum, correct predictions and samples, and its seconds. Summed over
+    every rank, it is what a mid-epoch checkpoint records (as float64[4], :meth:`as_tensor`) and a resumed epoch
+    continues from; one rank's, what the progress bar shows."""
+
+    loss_sum: float = 0.0
+    correct: float = 0.0
+    count: float = 0.0
+    seconds: float = 0.0
+
+    def as_tensor(self) -> torch.Tensor:
+        """The checkpoint's form: float64 [loss_sum, correct, count, seconds]."""
+        return torch.tensor([self.loss_sum, self.correct, self.count, self.seconds], dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> EpochProgress:
+        return cls(*(float(v) for v in t.tolist()))
+
+
 class EpochMeter:
-    """An epoch's loss sum, correct predictions and samples on this rank, and its seconds, continuing
-    from what a mid-epoch checkpoint recorded of the steps before (``resumed``: sums over every rank
-    and seconds, float64[4]; :meth:`fresh` at an epoch's start)."""
+    """An epoch's loss sum, correct predictions and samples on this rank, and its seconds, continuing from
+    what a mid-epoch checkpoint recorded of the steps before (``resumed``; an empty one at an epoch's start)."""
 
-    def __init__(self, device: torch.device, resumed: torch.Tensor) -> None:
+    def __init__(self, device: torch.device, resumed: EpochProgress) -> None:
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)
-        self.resumed, self.t0 = resumed, time.perf_counter() - resumed[3].item()
-
-    @staticmethod
-    def fresh() -> torch.Tensor:
-        return torch.zeros(4, dtype=torch.float64)
+        self.resumed, self.t0 = resumed, time.perf_counter() - resumed.seconds
 
     def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
         with torch.no_grad():
@@ -69,15 +84,23 @@ class EpochMeter:
     def seconds(self) -> float:
         return time.perf_counter() - self.t0
 
-    def so_far(self, info: dd.DistInfo) -> torch.Tensor:
+    def local(self) -> EpochProgress:
+        """This rank's sums since the epoch (re)started, and the epoch's seconds (the progress bar's figures)."""
+        return EpochProgress(*self.sums.tolist(), self.seconds())
+
+    def _resumed_sums(self) -> torch.Tensor:
+        r = self.resumed
+        return torch.tensor([r.loss_sum, r.correct, r.count], dtype=torch.float64, device=self.sums.device)
+
+    def so_far(self, info: dd.DistInfo) -> EpochProgress:
         """Sums over every rank and seconds so far, for a mid-epoch checkpoint (a collective)."""
-        sums = dd.all_reduce_sum(self.sums.clone(), info) + self.resumed[:3].to(self.sums.device)
-        return torch.cat([sums.cpu(), torch.tensor([self.seconds()], dtype=torch.float64)])
+        sums = dd.all_reduce_sum(self.sums.clone(), info) + self._resumed_sums()
+        return EpochProgress(*sums.tolist(), self.seconds())
 
     def total(self, info: dd.DistInfo) -> tuple[torch.Tensor, float]:
-        """The epoch's sums over every rank (a collective) and its seconds."""
+        """The epoch's sums over every rank [loss sum, correct, count] (a collective) and its seconds."""
         sums = dd.all_reduce_sum(self.sums, info)
-        sums += self.resumed[:3].to(sums.device)
+        sums += self._resumed_sums()
         return sums, self.seconds()
 
 

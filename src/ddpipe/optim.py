@@ -56,3 +56,37 @@ def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_pe
                     num_epochs: int) -> torch.optim.lr_scheduler.LambdaLR:
     """The per-step schedule of :func:`lr_lambda`, stepped after every optimizer step."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, steps_per_epoch, num_epochs))
+
+
+class Optimization:
+    """One training's optimizer over the parameter ``groups`` made for its peak lr (``effective_lr``), the lr
+    schedule and fp16 loss scaling: :meth:`backward` for each micro-batch's loss, :meth:`step` once per
+    optimizer step (gradient clipping first, when ``train.grad_clip_norm`` is set)."""
+
+    def __init__(self, cfg: TrainConfig, groups: Callable[[float], list[dict]], world_size: int, steps_per_epoch: int,
+                 num_epochs: int, scaler: torch.amp.GradScaler, clip: Callable[..., torch.Tensor]) -> None:
+        self.cfg, self.scaler, self.clip = cfg, scaler, clip
+        self.effective_lr, self.optimizer, self.scheduler = build_optimization(cfg, groups, world_size,
+                                                                               steps_per_epoch, num_epochs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The gradients of one of ``grad_accum_steps`` micro-batches' mean loss."""
+        self.scaler.scale(loss / self.cfg.grad_accum_steps).backward()
+
+    def step(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        if self.cfg.grad_clip_norm is not None:
+            self.scaler.unscale_(self.optimizer)
+            self.clip(parameters, self.cfg.grad_clip_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+
+    @property
+    def lr(self) -> float:
+        """The first group's lr now (the head's, when fine-tuning gives the body less)."""
+        return self.optimizer.param_groups[0]["lr"]
+
+    def parts(self) -> dict[str, object]:
+        """What a checkpoint holds of it, by name."""
+        return {"optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler}

@@ -16,14 +16,13 @@ command again resumes from that step, ending with exactly the weights of an unin
 
 from __future__ import annotations
 
-import datetime
 import signal
 import sys
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ddpipe.distributed import DistInfo
+from ddpipe.distributed import DistInfo, flag_group, start_max
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -48,13 +47,9 @@ class StopRequests:
     def __init__(self, info: DistInfo, timeout_s: int) -> None:
         self.signum = 0
         self._main = info.is_main
-        self._group = None
-        if info.distributed:
-            # A CPU integer on a gloo group: on NCCL jobs too, so that asking never waits for the GPU.
-            self._group = dist.group.WORLD if info.backend == "gloo" else \
-                dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self._group = flag_group(info, timeout_s)  # a CPU integer on a gloo group, on NCCL jobs too
         self._previous: dict[int, object] = {}
-        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+        self._pending: tuple[Any, torch.Tensor] | None = None
 
     def __enter__(self) -> StopRequests:
         for sig in STOP_SIGNALS:
@@ -92,5 +87,5 @@ class StopRequests:
             work.wait()
             answer = int(flag.item())
         flag = torch.tensor([self.signum], dtype=torch.int32)
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
+        self._pending = (start_max(flag, self._group), flag)
         return answer

@@ -5,7 +5,7 @@
     python -m ddpipe.sweeps lr-grid [key=value ...]      # once the children have finished
 
 Every training with ``mlflow.sweep`` set is a child run of one parent run named after the sweep
-(:mod:`ddpipe.tracking`). This command groups the children by the parameters that vary among them
+(:mod:`ddpipe.runstore`). This command groups the children by the parameters that vary among them
 other than ``seed``, prints a table of test accuracy and macro-F1 as mean ± sample standard deviation
 over the seeds, and logs the table to the parent run: metrics, ``sweep_summary.csv`` and
 ``sweep_summary.md``, and a plot ``sweep_summary.png``.
@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ddpipe.config import Config, flatten
-from ddpipe.tracking import find_sweep_parent, tracking_uri
+from ddpipe.config import Config, flatten, user_errors
+from ddpipe.runstore import bound_http_requests, find_sweep_parent, tracking_uri
 
 METRICS = ("test_accuracy", "test_macro_f1")
 
@@ -95,6 +95,7 @@ def summarise(cfg: Config, sweep: str) -> str:
     """Print-ready summary of sweep ``sweep`` in ``mlflow.experiment_name``; logged to its parent run."""
     from mlflow import MlflowClient
 
+    bound_http_requests()
     client = MlflowClient(tracking_uri(cfg.mlflow))
     exp = client.get_experiment_by_name(cfg.mlflow.experiment_name)
     parent = find_sweep_parent(client, exp.experiment_id, sweep) if exp else None
@@ -166,11 +167,8 @@ def main(argv: list[str] | None = None) -> int:
               "-S mlflow.sweep=SWEEP_NAME)", file=sys.stderr)
         return 2
     cfg = load_or_exit([a for a in argv if "=" in a], "python -m ddpipe.sweeps")
-    try:
+    with user_errors(SweepError, code=2):
         print(summarise(cfg, names[0]), end="")
-    except SweepError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     return 0
 
 

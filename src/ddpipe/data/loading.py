@@ -25,9 +25,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from ddpipe.config import ConfigError, TrainConfig
+from ddpipe.config import Config, ConfigError
 from ddpipe.data.store import EncodedSplit, Prepared, RawSplit, open_split
 from ddpipe.data.transforms import DEFAULT_ENCODED_SIZE, BatchTransform, EvalCrop, TrainCrop, decode
+from ddpipe.devices import Compute
 
 
 @dataclass(frozen=True)
@@ -185,18 +186,18 @@ def real_sample_mask(first_position: int, batch_len: int, rank: int, world_size:
     return positions < n
 
 
-def steps_per_epoch(num_samples: int, cfg: TrainConfig, world_size: int) -> int:
+def steps_per_epoch(num_samples: int, batch_size_per_rank: int, grad_accum_steps: int, world_size: int) -> int:
     """Optimizer steps in an epoch of ``num_samples`` (each rank's shard, its full batches, then
     ``grad_accum_steps`` of them a step, as :class:`TrainOrder` serves them)."""
-    return num_samples // world_size // cfg.batch_size_per_rank // cfg.grad_accum_steps
+    return num_samples // world_size // batch_size_per_rank // grad_accum_steps
 
 
-def check_global_batch(num_samples: int, cfg: TrainConfig, world_size: int) -> None:
+def check_global_batch(num_samples: int, batch_size_per_rank: int, grad_accum_steps: int, world_size: int) -> None:
     """ConfigError unless an epoch of ``num_samples`` has at least one optimizer step."""
-    if steps_per_epoch(num_samples, cfg, world_size) < 1:
+    if steps_per_epoch(num_samples, batch_size_per_rank, grad_accum_steps, world_size) < 1:
         raise ConfigError(
-            f"train.grad_accum_steps = {cfg.grad_accum_steps} x train.batch_size_per_rank = "
-            f"{cfg.batch_size_per_rank} x {world_size} process(es) exceeds the training split "
+            f"train.grad_accum_steps = {grad_accum_steps} x train.batch_size_per_rank = "
+            f"{batch_size_per_rank} x {world_size} process(es) exceeds the training split "
             f"({num_samples} samples); accepted: a global batch no larger than the split")
 
 
@@ -214,18 +215,20 @@ class TrainingData:
     world_size: int
 
     @classmethod
-    def load(cls, prepared_dir: str | Path, meta: Prepared, cfg: TrainConfig, image_size: int | None, seed: int,
-             rank: int, world_size: int, device: torch.device, channels_last: bool, num_workers: int,
-             pin_memory: bool) -> TrainingData:
-        size = input_size(meta, image_size)
-        check_global_batch(meta.sizes["train"], cfg, world_size)
+    def load(cls, cfg: Config, meta: Prepared, compute: Compute, *, batch_size_per_rank: int, rank: int,
+             world_size: int, num_workers: int) -> TrainingData:
+        """``paths.prepared`` described by ``meta`` (its normalisation perhaps the pretrained weights'), read
+        and augmented as ``data`` and ``train`` say, onto ``compute``'s device; ConfigError if the global batch
+        exceeds the training split."""
+        size, tc = input_size(meta, cfg.data.image_size), cfg.train
+        check_global_batch(meta.sizes["train"], batch_size_per_rank, tc.grad_accum_steps, world_size)
         raw = meta.encoding == "raw"
-        crop = None if raw else TrainCrop(size[0], cfg.min_crop_scale, cfg.hflip, seed)
-        splits = Splits(prepared_dir, meta, ("train", "val"), size, crop)
-        transform = BatchTransform(meta.mean, meta.std, cfg.random_crop_padding if raw else 0, cfg.hflip and raw,
-                                   seed, device, channels_last)
-        order = TrainOrder(meta.sizes["train"], cfg.batch_size_per_rank, rank, world_size, seed)
-        return cls(meta, size, order, Loader(splits, num_workers, pin_memory), transform, rank, world_size)
+        crop = None if raw else TrainCrop(size[0], tc.min_crop_scale, tc.hflip, cfg.seed)
+        splits = Splits(cfg.paths.prepared, meta, ("train", "val"), size, crop)
+        transform = BatchTransform(meta.mean, meta.std, tc.random_crop_padding if raw else 0, tc.hflip and raw,
+                                   cfg.seed, compute.device, compute.channels_last)
+        order = TrainOrder(meta.sizes["train"], batch_size_per_rank, rank, world_size, cfg.seed)
+        return cls(meta, size, order, Loader(splits, num_workers, compute.pin_memory), transform, rank, world_size)
 
     def train_batches(self, epoch: int, start: int = 0, stop: int | None = None) -> Iterator[tuple]:
         """Batches ``start:stop`` of ``epoch`` on this rank (a resumed epoch starts at its checkpointed step)."""

@@ -64,7 +64,7 @@ def build_model(cfg: ModelConfig, num_channels: int, num_classes: int) -> nn.Mod
     """The network named by ``model.name`` for images of ``num_channels`` channels, with fresh weights
     (pretrained ones are ddpipe.models.pretrained's)."""
     if cfg.name == "auto":
-        raise ValueError("model.name = 'auto' names no network until ddpipe.devices.resolve_auto picks one")
+        raise ValueError("model.name = 'auto' names no network until ddpipe.resolved.resolve picks one")
     how = kind(cfg.name)
     kwargs = dict(cfg.kwargs)
     try:

@@ -1,0 +1,53 @@
+"""This host's processes: whether one is still alive (and still the one we knew), and a lock that every
+process on the host takes in turn.
+
+A pid alone can be reused once its process is gone, so where it matters the pid travels with its start time
+(:func:`start_time`), which names one process for as long as the host runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot, or None if it is gone or a zombie (Linux's /proc;
+    None everywhere without it)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def alive(pid: int, started: str | None = None) -> bool:
+    """Whether process ``pid`` runs (a zombie does not), and, given ``started`` (its :func:`start_time`), is
+    still that process rather than a later one with the same pid. Without /proc: whether the pid exists."""
+    if pid <= 0:
+        return False
+    if Path("/proc/self/stat").exists():
+        now = start_time(pid)
+        return now is not None and (started is None or now == started)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def host_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (created if missing) across every process on this host."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
