@@ -152,23 +152,57 @@ def test_real_mlflow_server_gets_system_metrics_from_every_node(tmp_path: Path, 
 
 
 @pytest.mark.slow
-def test_tracking_server_down_costs_bounded_time_and_training_completes(tmp_path: Path, prepared: Path) -> None:
-    result = run(["python", "stages/train.py", *args_for(tmp_path, prepared, "num_epochs=1")],
+def test_a_store_down_for_the_whole_training_loses_nothing(tmp_path: Path, prepared: Path) -> None:
+    """The training completes; what it logged waits in the outbox, said once with the command that sends it;
+    that command delivers it all, once, into the store when it answers."""
+    result = run(["python", "stages/train.py", *args_for(tmp_path, prepared, "num_epochs=2")],
                  env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}, timeout=300)
-    assert "MLflow tracking at http://127.0.0.1:9 failed" in result.stderr
-    assert result.stderr.count("MLflow tracking at") == 1  # one warning, then silence
+    assert result.stderr.count("does not answer") == 1 and result.stderr.count("python -m ddpipe.outbox deliver") == 1
     assert (tmp_path / "model.pt").is_file() and (tmp_path / "train.json").is_file()
-    assert len(list((tmp_path / "ckpt").glob("ckpt-*.pt"))) == 1
+    key = json.loads((tmp_path / "run.json").read_text())["run_id"]
+    assert key.startswith("pending-") and (tmp_path / "outbox" / key / "main.jsonl").is_file()
+    uri = f"sqlite:///{tmp_path}/later.db"
+    sent = run(["python", "-m", "ddpipe.outbox", "deliver", f"mlflow.outbox={tmp_path}/outbox"],
+               env={"MLFLOW_TRACKING_URI": uri}, timeout=300)
+    assert "0 still waiting" in sent.stdout, sent.stdout + sent.stderr
+    assert not (tmp_path / "outbox" / key).exists()  # delivered whole: removed
+    client = _client(uri)
+    (r,) = client.search_runs([client.get_experiment_by_name("ddpipe").experiment_id])
+    assert r.info.status == "FINISHED" and r.data.tags["ddpipe.run_key"] == key
+    history = client.get_metric_history(r.info.run_id, "val_accuracy")
+    assert sorted(m.step for m in history) == [1, 2]  # every epoch, each once
+    assert r.data.params["num_epochs"] == "2"
+    assert any(k.startswith("system/node0/") for k in r.data.metrics)
+    assert [m.name for m in client.search_logged_models([r.info.experiment_id])] == ["model"]
 
 
-def test_tracker_failure_is_contained(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_records_wait_in_the_outbox_when_the_store_does_not_answer(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    info = DistInfo()
-    tracker = MlflowTracker(MlflowConfig(tracking_uri="http://127.0.0.1:9"), info)  # nothing listens there
+    cfg = MlflowConfig(tracking_uri="http://127.0.0.1:9", outbox=str(tmp_path / "outbox"))  # nothing listens there
+    tracker = MlflowTracker(cfg, DistInfo())
+    key = tracker.start(Config(), {"seed": 1}, None, tmp_path)
+    assert key.startswith("pending-") and tracker.enabled
+    tracker.log_metrics({"x": 1.0}, step=3)
+    ops = [json.loads(line)["op"] for line in (tmp_path / "outbox" / key / "main.jsonl").read_text().splitlines()]
+    assert ops[:2] == ["create", "params"] and ops[-1] == "metrics"
+    tracker.courier.close(timeout_s=1)
+
+
+def test_a_store_that_refuses_for_good_turns_tracking_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+    def refuse(*args: object) -> str:
+        raise MlflowException("bad experiment name", error_code=INVALID_PARAMETER_VALUE)
+
+    monkeypatch.setattr(MlflowTracker, "_create_now", refuse)
+    tracker = MlflowTracker(MlflowConfig(outbox=str(tmp_path / "outbox")), DistInfo())
     with pytest.warns(RuntimeWarning, match="training goes on without tracking"):
         tracker.start(Config(), {}, None, tmp_path)
     assert tracker.run_id is None and not tracker.enabled
     tracker.log_metrics({"x": 1.0}, step=0)  # silently off from now on
+    assert not (tmp_path / "outbox").exists()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -271,6 +271,12 @@ class MlflowConfig:
     log_system_metrics: bool = param(
         True, "MLflow's system metrics (CPU, memory, GPU) every 10 s: rank 0's node into a local store, every "
         "node into a tracking server.")
+    champion_alias: Optional[str] = param(
+        "champion", "With registered_model_name: the evaluate stage moves this alias to the new version only when "
+        "its test accuracy beats the current holder's on the same test split; null: no alias.")
+    outbox: str = param(
+        "mlflow-outbox", "Where a run's MLflow records are kept until the store has them (relative: under the repo "
+        "root); an unreachable server loses nothing: python -m ddpipe.outbox deliver.")
 
 
 @dataclass
@@ -506,6 +512,11 @@ def validate(cfg: Config, set_in: dict[str, str] | None = None) -> None:
         raise _not_accepted("data.classes", classes, _accepted(_FIELDS["data.classes"]) + " (distinct)",
                             set_in.get("data.classes"))
     _check_model(cfg, set_in)
+    uri = cfg.mlflow.tracking_uri or ""
+    if "@" in uri.partition("://")[2].split("/", 1)[0]:  # never a password in params.yaml, dvc.lock or a run
+        raise ConfigError("mlflow.tracking_uri holds credentials (user:password@host); not accepted: give the "
+                          "server's address only and the credentials as MLFLOW_TRACKING_USERNAME and "
+                          "MLFLOW_TRACKING_PASSWORD (or ~/.mlflow/credentials)")
     dist = cfg.distributed
     nnodes = dist.nnodes.split(":")
     if not (1 <= len(nnodes) <= 2 and all(n.isdigit() and int(n) >= 1 for n in nnodes)):

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ddpipe.champion import test_split_digest
 from ddpipe.config import Config
 from ddpipe.data.loading import BatchKey, Loader, Splits
 from ddpipe.data.store import PreparedDataError, load_meta
@@ -131,6 +132,10 @@ def _log_to_run(cfg: Config, test: dict, per_class: dict, reports: Path) -> None
     tracker.log_artifact(cfg.paths.per_class, "evaluation")
     for png in sorted(reports.glob("*.png")):
         tracker.log_artifact(png, "evaluation")
+    if cfg.mlflow.registered_model_name and cfg.mlflow.log_model:
+        tracker.log_champion(model_name=cfg.mlflow.registered_model_name, alias=cfg.mlflow.champion_alias,
+                             test_accuracy=test["accuracy"], split=test_split_digest(cfg.paths.prepared))
+    tracker.close()  # delivered now, or said once where the records wait
 
 
 def plot_confusion(cm: np.ndarray, classes: list[str], path: Path) -> None:

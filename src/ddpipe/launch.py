@@ -31,6 +31,7 @@ from typing import NoReturn
 
 import torch
 
+from ddpipe.access import check_access
 from ddpipe.cli import load_or_exit
 from ddpipe.config import Config, ConfigError, DistributedConfig, user_errors
 from ddpipe.data.store import PreparedDataError
@@ -192,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     with user_errors(PreparedDataError):  # fail here, before any worker starts on any node
         job = resolve_job(cfg.distributed)
         preflight(cfg, job.max_world_size)
+        if note := check_access(cfg.mlflow):  # a server that refuses this user: before anything is written
+            print(note, file=sys.stderr, flush=True)
     env = {**os.environ, CHECKED_ENV: "1"}
     if "--print" in argv or not torch.cuda.is_available() or cfg.distributed.nnodes != "1":
         cmd = torchrun_command(cfg.distributed, job.nproc_per_node, overrides)

@@ -14,6 +14,7 @@ from ddpipe.data.store import Prepared
 from ddpipe.distributed import DistInfo
 from ddpipe.fsutil import atomic_write_json, atomic_write_text
 from ddpipe.models.saved import save_model
+from ddpipe.runstore import redact
 from ddpipe.tracking import NullTracker
 
 
@@ -39,7 +40,7 @@ def save_outputs(cfg: Config, outputs: TrainingOutputs, tracker: NullTracker, in
                extra={"exported_epoch": outputs.exported_epoch})
     atomic_write_json(paths.train_metrics, {"train": outputs.metrics})
     atomic_write_text(paths.history, history_csv(outputs.history))
-    atomic_write_json(paths.run_info, {"run_id": tracker.run_id or "", "tracking_uri": tracker.uri})
+    atomic_write_json(paths.run_info, {"run_id": tracker.store_id() or "", "tracking_uri": redact(tracker.uri)})
     tracker.log_metrics({"best_epoch": outputs.metrics["best_epoch"], "exported_epoch": outputs.exported_epoch})
     if cfg.mlflow.log_model:
         example = outputs.example_images.numpy()  # as a client has them: uint8, N x H x W for grey

@@ -51,6 +51,13 @@ def tracking_uri(cfg: MlflowConfig) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking_uri or default_store()
 
 
+def redact(uri: str) -> str:
+    """``uri`` without a ``user:password@`` part: what may be printed, logged or written."""
+    head, sep, tail = uri.partition("://")
+    host, slash, path = tail.partition("/")
+    return f"{head}{sep}{host.rsplit('@', 1)[1]}{slash}{path}" if sep and "@" in host else uri
+
+
 def is_server(uri: str) -> bool:
     """A tracking server (many hosts may write to it), not a file on this host (sqlite, ./mlruns)."""
     return uri.split(":", 1)[0] in ("http", "https", "databricks")

@@ -15,22 +15,22 @@ saying why. Where runs are stored, and how ``mlflow ui`` shows them: ``ddpipe.ru
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
 import socket
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ddpipe import __version__
-from ddpipe.config import Config, MlflowConfig
+from ddpipe.config import Config, MlflowConfig, to_yaml
 from ddpipe.data.store import load_meta
+from ddpipe.delivery import is_transient
 from ddpipe.distributed import DistInfo
 from ddpipe.fsutil import atomic_write_json
+from ddpipe.outbox import Courier, Journal, describe, new_key, outbox_root
 from ddpipe.preemption import Preempted
 from ddpipe.procs import alive
 from ddpipe.runstore import (
@@ -38,7 +38,7 @@ from ddpipe.runstore import (
     dvc_hash,
     experiment_id,
     git_tags,
-    metric,
+    redact,
     repo_root,
     runs_view_url,
     sweep_parent,
@@ -70,6 +70,9 @@ class NullTracker:
     def start(self, cfg: Config, params: dict[str, Any], resume_run_id: str | None, markers: Path) -> str | None:
         return None
 
+    def store_id(self) -> str | None:
+        return self.run_id
+
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
     def log_model(self, model_path: Path, input_example: Any, cfg: Config) -> None: ...
@@ -79,75 +82,76 @@ class NullTracker:
 
 
 class MlflowTracker(NullTracker):
-    """MLflow behind a guard: the first failure warns once and turns tracking off."""
+    """MLflow through the run's outbox (``ddpipe.outbox``): every record is kept on disk and delivered in order by a
+    courier thread, so logging never waits for the store and an unreachable store loses nothing."""
 
     def __init__(self, cfg: MlflowConfig, info: DistInfo | None = None) -> None:
         bound_http_requests()
         self.cfg, self.info = cfg, info
         self.uri = tracking_uri(cfg)
         self.enabled = True
-        self.run_id: str | None = None
+        self.run_id: str | None = None  # the store's id, or a pending key until the store has the run
         self.experiment_id: str | None = None
         self.marker: Path | None = None
+        self.journal: Journal | None = None
+        self.courier: Courier | None = None
 
-    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
-        if not self.enabled:
-            return None
-        for attempt in range(5):
-            try:
-                return fn()
-            except Exception as exc:  # tracking must never take training down
-                if "database is locked" in str(exc) and attempt < 4:
-                    time.sleep(0.5 * 2 ** attempt)  # two experiments sharing one sqlite file
-                    continue
-                self.enabled = False
-                warnings.warn(
-                    f"MLflow tracking at {self.uri} failed during {what} ({type(exc).__name__}: "
-                    f"{str(exc).splitlines()[0][:300] if str(exc) else ''}); training goes on without "
-                    "tracking.", RuntimeWarning, stacklevel=2,
-                )
-                return None
-        return None
+    def _warn_off(self, what: str, exc: BaseException) -> None:
+        self.enabled = False
+        warnings.warn(f"MLflow tracking at {redact(self.uri)} refused {what} ({describe(exc)}); training goes on "
+                      "without tracking.", RuntimeWarning, stacklevel=3)
 
-    def _client(self) -> Any:
-        import mlflow
+    def _open(self, key: str) -> None:
+        self.journal = Journal(outbox_root(self.cfg.outbox), key, self.uri)
+        self.courier = Courier(self.journal, others=True)
 
-        mlflow.set_tracking_uri(self.uri)
-        return mlflow
+    def _append(self, op: str, **fields: Any) -> None:
+        if self.enabled and self.journal is not None:
+            self.journal.append(op, **fields)
+            self.courier.poke()
 
     # -- the run's beginning -------------------------------------------------------------------
 
     def start(self, cfg: Config, params: dict[str, Any], resume_run_id: str | None, markers: Path) -> str | None:
         """Reopen ``resume_run_id`` (a resumed checkpoint's run) or start a new run with ``params`` (nested under
         the sweep's parent when ``mlflow.sweep`` is set); close runs that killed attempts left RUNNING. The
-        run's id, or None if MLflow failed."""
-
-        def go() -> str:
-            mlflow = self._client()
-            self.experiment_id = experiment_id(mlflow, self.cfg.experiment_name, self.uri)
-            self._close_orphans(mlflow, markers, keep=resume_run_id)
-            if resume_run_id:
-                run = mlflow.start_run(run_id=resume_run_id, log_system_metrics=False)
-                attempts = int(run.data.tags.get("ddpipe.attempts", "1")) + 1
-                mlflow.set_tags({"ddpipe.attempts": str(attempts), "ddpipe.end_reason": "running"})
+        run's key: its id, or a pending key when the store did not answer (the run is created when it does)."""
+        if resume_run_id:
+            self._open(resume_run_id)
+            self._append("reopen", attempt=0)
+        else:
+            tags = {**self._tags(), "ddpipe.attempts": "1", "ddpipe.end_reason": "running"}
+            if self.cfg.sweep:
+                tags["ddpipe.sweep"] = self.cfg.sweep
+            try:
+                key = self._create_now(cfg, tags)
+            except Exception as exc:  # the store's word decides: wait for it, or do without tracking
+                if not is_transient(exc):
+                    self._warn_off("the run's creation", exc)
+                    return None
+                key = new_key()
+                self._open(key)
+                self._append("create", experiment=self.cfg.experiment_name, run_name=run_name(cfg), tags=tags,
+                             start_time=int(time.time() * 1000), sweep=self.cfg.sweep)
             else:
-                tags = {**self._tags(), "ddpipe.attempts": "1", "ddpipe.end_reason": "running"}
-                if self.cfg.sweep:
-                    parent = sweep_parent(mlflow.MlflowClient(self.uri), self.uri, self.experiment_id, self.cfg.sweep)
-                    tags.update({"mlflow.parentRunId": parent, "ddpipe.sweep": self.cfg.sweep})
-                run = mlflow.start_run(experiment_id=self.experiment_id, run_name=run_name(cfg), tags=tags,
-                                       log_system_metrics=False)  # each node's monitor: ddpipe.sysmetrics
-                mlflow.log_params({k: "null" if v is None else v for k, v in params.items()})
-                try:
-                    self._log_dataset(mlflow, cfg)
-                except Exception as exc:  # a run without its dataset input beats no run at all
-                    warnings.warn(f"MLflow: the dataset input of {cfg.paths.prepared} was not logged "
-                                  f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=2)
-            self._write_marker(markers, run.info.run_id)
-            return run.info.run_id
-
-        self.run_id = self._call("start", go)
+                self._open(key)
+            self._append("params", params={k: "null" if v is None else v for k, v in params.items()})
+            self._log_dataset(cfg)
+        self.run_id = self.journal.key
+        self._close_orphans(markers, keep=resume_run_id)
+        self._write_marker(markers, self.run_id)
         return self.run_id
+
+    def _create_now(self, cfg: Config, tags: dict[str, str]) -> str:
+        """The run, created in the store now (its id printed and checkpointed from the start)."""
+        import mlflow
+
+        mlflow.set_tracking_uri(self.uri)
+        client = mlflow.MlflowClient(self.uri)
+        self.experiment_id = experiment_id(mlflow, self.cfg.experiment_name, self.uri)
+        if self.cfg.sweep:
+            tags = {**tags, "mlflow.parentRunId": sweep_parent(client, self.uri, self.experiment_id, self.cfg.sweep)}
+        return client.create_run(self.experiment_id, tags=tags, run_name=run_name(cfg)).info.run_id
 
     def _tags(self) -> dict[str, str]:
         import torch
@@ -165,28 +169,30 @@ class MlflowTracker(NullTracker):
             "ddpipe_version": __version__, "host": socket.gethostname(),
         }
 
-    def _log_dataset(self, mlflow: Any, cfg: Config) -> None:
+    def _log_dataset(self, cfg: Config) -> None:
         """The prepared data as the run's dataset input: the DVC hash of ``paths.prepared`` as its digest."""
-        from mlflow.data.meta_dataset import MetaDataset
-        from mlflow.data.sources import LocalArtifactDatasetSource
-
-        meta = load_meta(cfg.paths.prepared)
+        try:
+            meta = load_meta(cfg.paths.prepared)
+            digest = dvc_hash(cfg.paths.prepared)
+        except Exception as exc:  # a run without its dataset input beats no run at all
+            warnings.warn(f"MLflow: the dataset input of {cfg.paths.prepared} was not logged "
+                          f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=2)
+            return
         sizes = meta.sizes
-        dataset = MetaDataset(LocalArtifactDatasetSource(cfg.paths.prepared), name=meta.dataset,
-                              digest=dvc_hash(cfg.paths.prepared))
-        mlflow.log_input(dataset, context="training", tags={
-            "dvc_path": cfg.paths.prepared, "train_samples": str(sizes["train"]),
-            "val_samples": str(sizes["val"]), "test_samples": str(sizes["test"])})
+        self._append("dataset", name=meta.dataset, digest=digest, source=cfg.paths.prepared, context="training",
+                     tags={"dvc_path": cfg.paths.prepared, "train_samples": str(sizes["train"]),
+                           "val_samples": str(sizes["val"]), "test_samples": str(sizes["test"])})
 
     # -- markers of live attempts --------------------------------------------------------------
 
     def _write_marker(self, markers: Path, run_id: str) -> None:
         self.marker = Path(markers) / f"mlflow-run-{run_id}.json"
-        atomic_write_json(self.marker, {"run_id": run_id, "tracking_uri": self.uri,
+        atomic_write_json(self.marker, {"run_id": run_id, "tracking_uri": redact(self.uri),
                                         "host": socket.gethostname(), "pid": os.getpid()})
 
-    def _close_orphans(self, mlflow: Any, markers: Path, keep: str | None) -> None:
-        """FAILED, with the reason, for each run a killed attempt left RUNNING (other than ``keep``)."""
+    def _close_orphans(self, markers: Path, keep: str | None) -> None:
+        """FAILED, with the reason, for each run a killed attempt left RUNNING (other than ``keep``): a record after
+        whatever of that run still waits in its outbox."""
         for path in sorted(Path(markers).glob("mlflow-run-*.json")):
             try:
                 marker = json.loads(path.read_text())
@@ -194,39 +200,42 @@ class MlflowTracker(NullTracker):
                 path.unlink(missing_ok=True)
                 continue
             if marker["run_id"] == keep:
-                path.unlink(missing_ok=True)  # reopened below, with a marker of its own
+                path.unlink(missing_ok=True)  # reopened, with a marker of its own
                 continue
             if marker.get("host") == socket.gethostname() and alive(int(marker.get("pid", 0))):
                 continue  # a live training writing into the same directory: not ours to close
-            client = mlflow.MlflowClient(marker.get("tracking_uri") or self.uri)
-            with contextlib.suppress(Exception):  # a run deleted meanwhile, a store gone: nothing to close
-                if client.get_run(marker["run_id"]).info.status == "RUNNING":
-                    client.set_tag(marker["run_id"], "ddpipe.end_reason",
-                                   "its process was killed (SIGKILL, out of memory or a lost node) and the next "
-                                   f"attempt (run {self.run_id or 'new'}) did not resume it: it started fresh")
-                    client.set_terminated(marker["run_id"], "FAILED")
-                    print(f"MLflow run {marker['run_id']} was left RUNNING by a killed training; closed as FAILED",
-                          flush=True)
+            orphan = Journal(outbox_root(self.cfg.outbox), marker["run_id"], self.uri)
+            orphan.append("close_orphan", time=int(time.time() * 1000), reason=(
+                "its process was killed (SIGKILL, out of memory or a lost node) and the next "
+                f"attempt (run {self.run_id or 'new'}) did not resume it: it started fresh"))
             path.unlink(missing_ok=True)
+        self.courier.poke()  # the orphans' journals go with the others (Courier(others=True))
 
     # -- during and after ----------------------------------------------------------------------
 
+    def store_id(self) -> str | None:
+        """The run's id in the store if known by now, else its pending key."""
+        return (self.journal.run_id if self.journal is not None else None) or self.run_id
+
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self._call("log_metrics", lambda: self._client().MlflowClient(self.uri).log_batch(
-            self.run_id, metrics=[metric(k, v, step) for k, v in metrics.items()]))
+        now = int(time.time() * 1000)
+        self._append("metrics", metrics=[[k, float(v), now, step or 0] for k, v in metrics.items()])
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        self._call("log_artifact", lambda: self._client().MlflowClient(self.uri).log_artifact(
-            self.run_id, str(path), artifact_path))
+        if self.enabled and self.journal is not None:
+            self._append("artifact", path=self.journal.keep_file(path), artifact_path=artifact_path)
 
     def log_model(self, model_path: Path, input_example: Any, cfg: Config) -> None:
-        """``model_path`` into the run as the pyfunc model a client calls (``ddpipe.inference.log_model``)."""
-        def go() -> None:
-            from ddpipe.inference import log_model  # mlflow.pyfunc: imported only when a model is logged
+        """``model_path`` into the run as the pyfunc model a client calls (``ddpipe.inference.log_model``), from a
+        copy kept in the outbox until the store has it."""
+        if not (self.enabled and self.journal is not None):
+            return
+        import numpy as np
 
-            log_model(self._client(), self.run_id, model_path, input_example, cfg)
-
-        self._call("log_model", go)
+        example = Path(self.journal.keep_file(model_path)).with_name("input_example.npy")
+        np.save(example, np.asarray(input_example))
+        self._append("model", model=str(example.with_name(Path(model_path).name)), example=str(example),
+                     config=to_yaml(cfg))
 
     def print_link(self) -> None:
         """Where to look: the run in ``mlflow ui``'s runs view (started in the repo root)."""
@@ -236,18 +245,18 @@ class MlflowTracker(NullTracker):
                   f"{runs_view_url(self.experiment_id, charts=True)}  (charts)", flush=True)
 
     def _end(self, status: str, reason: str) -> None:
-        def go() -> None:
-            mlflow = self._client()
-            if mlflow.active_run() is None and self.run_id:
-                mlflow.start_run(run_id=self.run_id)
-            mlflow.set_tag("ddpipe.end_reason", reason)
-            mlflow.end_run(status=status)
-
         if self.run_id:
-            self._call("finish", go)
+            self._append("end", status=status, reason=reason, time=int(time.time() * 1000))
+        self.close()
         if self.marker is not None:
             self.marker.unlink(missing_ok=True)
             self.marker = None
+
+    def close(self) -> None:
+        """Deliver what waits (bounded), say once what could not be, and stop the courier."""
+        if self.courier is not None:
+            self.courier.close()
+            self.courier = None
 
     def finish(self) -> None:
         self._end("FINISHED", "completed")
@@ -258,11 +267,18 @@ class MlflowTracker(NullTracker):
 
 
 class RunLogger(MlflowTracker):
-    """Logs into an existing run without reopening it (the evaluate stage: the run keeps its status)."""
+    """Logs into an existing run without reopening it (the evaluate stage: the run keeps its status), after what
+    still waits of it and of other runs in the outbox; :meth:`close` delivers."""
 
     def __init__(self, cfg: MlflowConfig, run_id: str) -> None:
         super().__init__(cfg)
         self.run_id = run_id
+        self._open(run_id)
+
+    def log_champion(self, **fields: Any) -> None:
+        """The registered version of this run: its test result, and the alias if it beats the holder's
+        (``ddpipe.champion``)."""
+        self._append("champion", **fields)
 
 
 def make_tracker(cfg: MlflowConfig, info: DistInfo) -> NullTracker:

@@ -1,0 +1,317 @@
+"""A team's MLflow tracking server on one host: PostgreSQL, artifacts proxied by the server, users and passwords.
+
+    export MLFLOW_AUTH_ADMIN_PASSWORD=...            # or --admin-password-file FILE; never a default
+    python deploy/tracking_server.py start --dir /srv/ddpipe-mlflow --host 0.0.0.0 --port 5000
+    python deploy/tracking_server.py add-user alice --permission EDIT --experiment ddpipe   # password: --password-file
+    python deploy/tracking_server.py status --dir /srv/ddpipe-mlflow
+    python deploy/tracking_server.py stop --dir /srv/ddpipe-mlflow
+
+``start`` (``make tracking-server``) makes, in ``--dir``, what is not there yet and starts it:
+
+- PostgreSQL (Debian's ``postgresql`` package; ``--backend-store-uri`` names an existing server instead): a data
+  directory it initialises (owned by the ``postgres`` user when run as root, which PostgreSQL refuses to run as),
+  listening on 127.0.0.1 only, with a role ``mlflow`` whose random password is kept in ``<dir>/secrets`` (0600)
+  and two databases, ``mlflow`` (runs, models) and ``mlflow_auth`` (users, permissions);
+- ``mlflow server --app-name basic-auth``: every request needs a user and password (401 without), an unknown
+  experiment is readable by every user and writable by those given EDIT (``default_permission = READ``), and
+  artifacts go through the server to ``--artifacts-destination`` (default ``<dir>/artifacts``; an object store
+  URI works too), so clients never hold the store's credentials or mount;
+- the admin user, created by MLflow on the first start from ``MLFLOW_AUTH_ADMIN_PASSWORD`` (or the file).
+
+The store's password reaches ``mlflow server`` in its environment (``MLFLOW_BACKEND_STORE_URI``) and the auth
+config file (0600), never its command line. ``start --foreground`` runs the server in this process: the form a
+service manager wants (deploy/README.md, "A team's tracking server"). Clients authenticate with MLflow's own
+means: ``MLFLOW_TRACKING_USERNAME``/``MLFLOW_TRACKING_PASSWORD`` or ``~/.mlflow/credentials``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+PERMISSIONS = ("READ", "EDIT", "MANAGE", "NO_PERMISSIONS")
+
+
+class ServerError(RuntimeError):
+    """Something the operator must fix, said in words (no traceback)."""
+
+
+# -- PostgreSQL ------------------------------------------------------------------------------------
+
+
+def _pg_bin(name: str) -> str:
+    found = PG_BIN / name if (PG_BIN / name).is_file() else shutil.which(name)
+    if not found:
+        raise ServerError(f"PostgreSQL's {name} was not found (looked in {PG_BIN} and on PATH): install Debian's "
+                          "postgresql package (apt-get install postgresql), or pass --backend-store-uri of an "
+                          "existing server")
+    return str(found)
+
+
+def _as_owner(cmd: list[str]) -> list[str]:
+    """``cmd`` as the user who owns the cluster: ``postgres`` when we are root (PostgreSQL refuses root)."""
+    return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
+
+
+def _run(cmd: list[str], what: str, **kw) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if proc.returncode != 0:
+        raise ServerError(f"{what} failed (exit {proc.returncode}): {(proc.stderr or proc.stdout).strip()[-800:]}")
+    return proc.stdout
+
+
+def _secret(directory: Path, name: str) -> str:
+    """A random secret kept in ``<dir>/secrets/<name>`` (0600), made on first use."""
+    path = directory / "secrets" / name
+    if not path.is_file():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(24))
+    return path.read_text().strip()
+
+
+def start_postgres(directory: Path, port: int) -> str:
+    """Initialise (once) and start the cluster in ``<dir>/postgres``; the mlflow role's database URI prefix."""
+    data, sockets = directory / "postgres", directory / "postgres-run"  # the socket and the log, owner's
+    owner_root = os.geteuid() == 0
+    for d in (data, sockets):
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if owner_root:
+            shutil.chown(d, "postgres", "postgres")
+    password = _secret(directory, "postgres-mlflow-password")
+    if not (data / "PG_VERSION").is_file():
+        print(f"initialising PostgreSQL in {data}", flush=True)
+        _run(_as_owner([_pg_bin("initdb"), "-D", str(data), "--auth-local=peer", "--auth-host=scram-sha-256",
+                        "-E", "UTF8", "--locale=C.UTF-8"]), "initdb")
+    if subprocess.run(_as_owner([_pg_bin("pg_ctl"), "-D", str(data), "status"]), capture_output=True).returncode:
+        _run(_as_owner([_pg_bin("pg_ctl"), "-D", str(data), "-l", str(sockets / "postgres.log"), "-w", "-t", "60",
+                        "-o", f"-p {port} -k {sockets} -c listen_addresses=127.0.0.1", "start"]),
+             f"starting PostgreSQL (its log: {sockets / 'postgres.log'})")
+    psql = _as_owner([_pg_bin("psql"), "-h", str(sockets), "-p", str(port), "-d", "postgres", "-v",
+                      "ON_ERROR_STOP=1", "-tAc"])
+    if _run([*psql, "SELECT 1 FROM pg_roles WHERE rolname = 'mlflow'"], "psql").strip() != "1":
+        _run([*psql, f"CREATE ROLE mlflow LOGIN PASSWORD '{password}'"], "creating the mlflow role")
+    for db in ("mlflow", "mlflow_auth"):
+        if _run([*psql, f"SELECT 1 FROM pg_database WHERE datname = '{db}'"], "psql").strip() != "1":
+            _run([*psql, f"CREATE DATABASE {db} OWNER mlflow"], f"creating database {db}")
+    return f"postgresql+psycopg://mlflow:{password}@127.0.0.1:{port}"
+
+
+def stop_postgres(directory: Path) -> None:
+    data = directory / "postgres"
+    if (data / "postmaster.pid").is_file():
+        _run(_as_owner([_pg_bin("pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"]), "stopping PostgreSQL")
+        print("PostgreSQL stopped", flush=True)
+
+
+# -- mlflow server ----------------------------------------------------------------------------------
+
+
+def admin_password(args: argparse.Namespace) -> str:
+    """From --admin-password-file or MLFLOW_AUTH_ADMIN_PASSWORD: the repository holds no default."""
+    if args.admin_password_file:
+        return Path(args.admin_password_file).read_text().strip()
+    if os.environ.get("MLFLOW_AUTH_ADMIN_PASSWORD"):
+        return os.environ["MLFLOW_AUTH_ADMIN_PASSWORD"]
+    raise ServerError("no admin password: set MLFLOW_AUTH_ADMIN_PASSWORD or pass --admin-password-file FILE "
+                      "(MLflow creates the admin user with it on the first start)")
+
+
+def write_auth_config(directory: Path, database_uri: str, admin: str) -> Path:
+    """MLflow's basic-auth config (0600: it holds the auth database's password)."""
+    path = directory / "secrets" / "basic_auth.ini"
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    text = ("[mlflow]\n"
+            "default_permission = READ\n"
+            f"database_uri = {database_uri}\n"
+            f"admin_username = {admin}\n"
+            "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
+def server_command(args: argparse.Namespace, artifacts: str) -> list[str]:
+    mlflow = Path(sys.executable).with_name("mlflow")
+    return [str(mlflow) if mlflow.is_file() else "mlflow", "server", "--app-name", "basic-auth",
+            "--host", args.host, "--port", str(args.port), "--artifacts-destination", artifacts,
+            "--allowed-hosts", args.allowed_hosts or "*"]
+
+
+def health(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
+            return r.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def start(args: argparse.Namespace) -> None:
+    directory = Path(args.dir).resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    password = admin_password(args)
+    url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    pid_file = directory / "mlflow-server.pid"
+    if pid_file.is_file() and _alive(int(pid_file.read_text())):
+        raise ServerError(f"a tracking server from {directory} is already running (pid {pid_file.read_text().strip()}, "
+                          f"{url}); stop it first: python deploy/tracking_server.py stop --dir {directory}")
+    if args.backend_store_uri:
+        backend, auth_db = args.backend_store_uri, args.auth_database_uri or f"sqlite:///{directory / 'auth.db'}"
+    else:
+        prefix = start_postgres(directory, args.pg_port)
+        backend, auth_db = f"{prefix}/mlflow", args.auth_database_uri or f"{prefix}/mlflow_auth"
+    artifacts = args.artifacts_destination or str(directory / "artifacts")
+    env = {**os.environ, "MLFLOW_BACKEND_STORE_URI": backend, "MLFLOW_AUTH_ADMIN_PASSWORD": password,
+           # the auth app's CSRF key: one per server directory, kept across restarts (sessions survive them)
+           "MLFLOW_FLASK_SERVER_SECRET_KEY": _secret(directory, "flask-secret-key"),
+           "MLFLOW_AUTH_CONFIG_PATH": str(write_auth_config(directory, auth_db, args.admin_username))}
+    cmd = server_command(args, artifacts)
+    if args.foreground:  # a service manager's child: it restarts and stops us
+        os.execvpe(cmd[0], cmd, env)
+    log = open(directory / "mlflow-server.log", "ab")  # noqa: SIM115 (the server's, for its lifetime)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    pid_file.write_text(str(proc.pid))
+    deadline = time.monotonic() + args.wait_s
+    while not health(url):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pid_file.unlink(missing_ok=True)
+            tail = (directory / "mlflow-server.log").read_text(errors="replace")[-1500:]
+            raise ServerError(f"mlflow server did not come up at {url}; the end of its log "
+                              f"({directory / 'mlflow-server.log'}):\n{tail}")
+        time.sleep(0.5)
+    print(f"MLflow tracking server at {url} (pid {proc.pid}): runs in {_redact(backend)}, artifacts in {artifacts} "
+          f"(through the server), users in {_redact(auth_db)}; log {directory / 'mlflow-server.log'}\n"
+          f"clients: export MLFLOW_TRACKING_URI={url} MLFLOW_TRACKING_USERNAME=<user> MLFLOW_TRACKING_PASSWORD=<pw>",
+          flush=True)
+
+
+def _redact(uri: str) -> str:
+    head, sep, tail = uri.partition("://")
+    return f"{head}{sep}{tail.split('@', 1)[1]}" if sep and "@" in tail.split("/", 1)[0] else uri
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def stop(args: argparse.Namespace) -> None:
+    directory = Path(args.dir).resolve()
+    pid_file = directory / "mlflow-server.pid"
+    if pid_file.is_file():
+        pid = int(pid_file.read_text())
+        if _alive(pid):
+            os.killpg(pid, signal.SIGTERM)
+            for _ in range(100):
+                if not _alive(pid):
+                    break
+                time.sleep(0.1)
+            else:
+                os.killpg(pid, signal.SIGKILL)
+            print(f"mlflow server (pid {pid}) stopped", flush=True)
+        pid_file.unlink(missing_ok=True)
+    if not args.keep_postgres:
+        stop_postgres(directory)
+
+
+def status(args: argparse.Namespace) -> None:
+    directory = Path(args.dir).resolve()
+    pid_file = directory / "mlflow-server.pid"
+    running = pid_file.is_file() and _alive(int(pid_file.read_text()))
+    print(f"mlflow server: {'running, pid ' + pid_file.read_text().strip() if running else 'not running'}")
+    if (directory / "postgres" / "PG_VERSION").is_file():
+        pg = subprocess.run(_as_owner([_pg_bin("pg_ctl"), "-D", str(directory / "postgres"), "status"]),
+                            capture_output=True, text=True)
+        print(f"PostgreSQL: {'running' if pg.returncode == 0 else 'not running'}")
+    raise SystemExit(0 if running else 3)
+
+
+# -- users ----------------------------------------------------------------------------------------
+
+
+def add_user(args: argparse.Namespace) -> None:
+    """Create user ``args.name`` (as the admin: MLFLOW_TRACKING_USERNAME/PASSWORD) and give it ``--permission`` on
+    ``--experiment`` (created if missing), through MLflow's own auth client. Its password: --password-file or
+    DDPIPE_NEW_USER_PASSWORD (MLflow asks for 12 characters or more)."""
+    import mlflow
+    from mlflow.server.auth.client import AuthServiceClient
+
+    url = args.uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not (url and os.environ.get("MLFLOW_TRACKING_USERNAME") and os.environ.get("MLFLOW_TRACKING_PASSWORD")):
+        raise ServerError("add-user talks to the server as its admin: set MLFLOW_TRACKING_URI (or --uri), "
+                          "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD")
+    if args.password_file:
+        password = Path(args.password_file).read_text().strip()
+    elif os.environ.get("DDPIPE_NEW_USER_PASSWORD"):
+        password = os.environ["DDPIPE_NEW_USER_PASSWORD"]
+    else:
+        raise ServerError("the new user's password: --password-file FILE or DDPIPE_NEW_USER_PASSWORD")
+    auth = AuthServiceClient(url)
+    try:
+        auth.create_user(args.name, password)
+        print(f"user {args.name} created", flush=True)
+        if args.experiment:
+            client = mlflow.MlflowClient(url)
+            found = client.get_experiment_by_name(args.experiment)
+            exp_id = found.experiment_id if found else client.create_experiment(args.experiment)
+            auth.grant_user_permission(args.name, "experiment", exp_id, args.permission)
+            print(f"user {args.name}: {args.permission} on experiment {args.experiment!r} ({exp_id})", flush=True)
+    except mlflow.exceptions.MlflowException as exc:
+        raise ServerError(f"{url} refused: {exc.message}") from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="deploy/tracking_server.py", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("start", help="make what is missing and start PostgreSQL and mlflow server")
+    s.add_argument("--dir", default="tracking-server", help="where the server keeps its data (default %(default)s)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=5000)
+    s.add_argument("--allowed-hosts", default=None, help="Host headers accepted (mlflow's --allowed-hosts; default *)")
+    s.add_argument("--pg-port", type=int, default=5433, help="PostgreSQL's port on 127.0.0.1 (default %(default)s)")
+    s.add_argument("--backend-store-uri", default=None, help="an existing PostgreSQL's URI instead of our own")
+    s.add_argument("--auth-database-uri", default=None, help="where users live (default: our PostgreSQL)")
+    s.add_argument("--artifacts-destination", default=None,
+                   help="a directory or object store (default: <dir>/artifacts)")
+    s.add_argument("--admin-username", default="admin")
+    s.add_argument("--admin-password-file", default=None, help="else MLFLOW_AUTH_ADMIN_PASSWORD")
+    s.add_argument("--foreground", action="store_true", help="run mlflow server in this process (a service's form)")
+    s.add_argument("--wait-s", type=float, default=120.0, help="how long to wait for the server to answer")
+    for name, helptext in (("stop", "stop mlflow server and our PostgreSQL"), ("status", "what is running")):
+        q = sub.add_parser(name, help=helptext)
+        q.add_argument("--dir", default="tracking-server")
+        if name == "stop":
+            q.add_argument("--keep-postgres", action="store_true")
+    u = sub.add_parser("add-user", help="a user, and its permission on an experiment (as the admin)")
+    u.add_argument("name")
+    u.add_argument("--permission", choices=PERMISSIONS, default="EDIT")
+    u.add_argument("--experiment", default=None, help="e.g. ddpipe (mlflow.experiment_name)")
+    u.add_argument("--password-file", default=None)
+    u.add_argument("--uri", default=None, help="the server (else MLFLOW_TRACKING_URI)")
+    args = p.parse_args(argv)
+    try:
+        {"start": start, "stop": stop, "status": status, "add-user": add_user}[args.command](args)
+    except ServerError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+"""A run's MLflow records kept on disk until the store has them: nothing is lost while a server is down.
+
+    python -m ddpipe.outbox deliver        # send what waits (the next training or evaluate stage does it too)
+    python -m ddpipe.outbox status         # what waits, per run
+
+Every record a training or the evaluate stage makes for MLflow (params, each epoch's metrics, system metrics,
+tags, the end status, the model and the reports) is first appended to a journal, ``<mlflow.outbox>/<run>/<name>
+.jsonl`` (one line per record, files copied beside it), and a courier thread sends the journal in order, off the
+training's critical path. What the store has is remembered as a byte offset (``<name>.sent``), written after each
+delivery, so a record is sent once; one that is sent twice after a crash between the two is harmless, as every
+record is idempotent (a metric carries its own timestamp and step, and the store keeps one copy of identical
+values; params, tags and statuses are set to the same values; the model is not logged twice).
+
+A store that does not answer (connection refused, a timeout, a 5xx, "database is locked") keeps the records
+waiting: the courier retries with backoff and says so once; one that refuses a record for good (a 4xx such as an
+invalid value) moves that record to ``<name>.rejected.jsonl`` with the reason, and the rest go on. A run whose
+store did not answer when it began is created by its first delivery under a local key (``pending-<hex>``); the
+id the store gave it is kept in the journal's directory (``run_id``) for the evaluate stage and the next attempt.
+Credentials never enter a journal: they come from MLflow's own environment variables or file at delivery time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ddpipe.delivery import Delivery, send
+from ddpipe.fsutil import atomic_write_json, atomic_write_text
+from ddpipe.procs import alive
+from ddpipe.runstore import redact, repo_root
+
+PENDING = "pending-"
+_SAID: set[tuple[str, str]] = set()  # (run key, what) said by this process
+
+
+def outbox_root(directory: str) -> Path:
+    """``mlflow.outbox`` as a directory: relative paths under the repo root (the main repo's under DVC, so a
+    queued experiment's records outlive its temporary workspace)."""
+    path = Path(directory)
+    return path if path.is_absolute() else repo_root() / path
+
+
+class Journal:
+    """One run's records from one process (``name``: ``main`` for rank 0 and the evaluate stage, ``node<i>``
+    for another node's system metrics), appended by any thread and delivered in order."""
+
+    def __init__(self, root: Path, run_key: str, uri: str, name: str = "main", owner: bool = True) -> None:
+        self.dir = Path(root) / run_key
+        self.key, self.uri, self.name = run_key, uri, name
+        self.path = self.dir / f"{name}.jsonl"
+        self._sent = self.dir / f"{name}.sent"
+        self._lock = threading.Lock()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if not (self.dir / "store.json").is_file():
+            atomic_write_json(self.dir / "store.json", {"tracking_uri": redact(uri)})
+        if owner:  # this process writes the journal: nobody else removes it while it lives
+            atomic_write_json(self.dir / f"{name}.owner", {"host": socket.gethostname(), "pid": os.getpid()})
+
+    def written_by_live_process(self) -> bool:
+        try:
+            owner = json.loads((self.dir / f"{self.name}.owner").read_text())
+        except (OSError, ValueError):
+            return False
+        return owner.get("host") == socket.gethostname() and alive(int(owner.get("pid", 0)))
+
+    # -- writing ------------------------------------------------------------------------------------
+
+    def append(self, op: str, **fields: Any) -> None:
+        """Add one record (durable once this returns: one write of one line, flushed)."""
+        line = json.dumps({"op": op, **fields}, separators=(",", ":")) + "\n"
+        with self._lock:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+
+    def keep_file(self, path: str | Path, name: str | None = None) -> str:
+        """A copy of ``path`` beside the journal (the run's file may change before delivery); its path."""
+        target = self.dir / "files" / uuid.uuid4().hex[:12] / (name or Path(path).name)  # the name it is logged as
+        target.parent.mkdir(parents=True)
+        shutil.copyfile(path, target)
+        return str(target)
+
+    # -- reading --------------------------------------------------------------------------------------
+
+    @property
+    def run_id(self) -> str | None:
+        """The store's id of this run: the key itself, or for a pending key the id its delivery got."""
+        if not self.key.startswith(PENDING):
+            return self.key
+        path = self.dir / "run_id"
+        return path.read_text().strip() if path.is_file() else None
+
+    def sent_offset(self) -> int:
+        return int(self._sent.read_text()) if self._sent.is_file() else 0
+
+    def waiting(self) -> list[tuple[int, dict]]:
+        """(end offset, record) of each complete line not yet delivered, in order."""
+        if not self.path.is_file():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.sent_offset())
+            data, start = f.read(), self.sent_offset()
+        out, pos = [], 0
+        while (nl := data.find(b"\n", pos)) != -1:
+            out.append((start + nl + 1, json.loads(data[pos:nl])))
+            pos = nl + 1
+        return out
+
+    @contextmanager
+    def delivering(self, wait: bool) -> Iterator[bool]:
+        """This journal's delivery lock across processes (a courier and ``deliver`` never send one line twice
+        at once); yields whether it was taken (``wait``: block for it)."""
+        fd = os.open(self.dir / f"{self.name}.lock", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
+
+    def deliver(self, wait: bool = False) -> Delivery:
+        """Send every waiting record in order, until the store stops answering."""
+        with self.delivering(wait) as mine:
+            if not mine:
+                return Delivery(0, len(self.waiting()), None)
+            return send(self)
+
+    def mark_sent(self, offset: int) -> None:
+        atomic_write_text(self._sent, str(offset))
+
+    def set_run_id(self, run_id: str) -> None:
+        atomic_write_text(self.dir / "run_id", run_id)
+
+    def reject(self, record: dict, exc: BaseException) -> None:
+        """Set aside a record the store refused for good, with the reason."""
+        with open(self.dir / f"{self.name}.rejected.jsonl", "a") as f:
+            f.write(json.dumps({"record": record, "error": f"{type(exc).__name__}: {exc}"[:2000]}) + "\n")
+
+
+def new_key() -> str:
+    """A run's local key until the store gives it an id."""
+    return f"{PENDING}{uuid.uuid4().hex}"
+
+
+class Courier:
+    """Delivers a journal in the background: at once when a record is added, with backoff while the store does
+    not answer (said once per outage, and once when it answers again). ``others``: first, what earlier runs left
+    waiting in the same outbox (a training or evaluate stage after an outage sends it)."""
+
+    def __init__(self, journal: Journal, say: Callable[[str], None] | None = None, others: bool = False) -> None:
+        self.journal, self.others = journal, others
+        self._say = say or (lambda text: print(text, file=sys.stderr, flush=True))
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._down_since: float | None = None
+        self._thread = threading.Thread(target=self._loop, name=f"ddpipe-outbox-{journal.name}", daemon=True)
+        self._thread.start()
+
+    def poke(self) -> None:
+        self._wake.set()
+
+    def say(self, text: str, about: str) -> None:
+        """Say ``text`` once per run and process (a node's journals, main and system metrics, share one outage)."""
+        if (self.journal.key, about) not in _SAID:
+            _SAID.add((self.journal.key, about))
+            self._say(text)
+
+    def _loop(self) -> None:
+        if self.others:
+            with contextlib.suppress(Exception):  # best effort: what fails waits for the next stage
+                deliver_all(self.journal.dir.parent, skip=self.journal)
+        backoff = 1.0
+        while not self._stop.is_set():
+            self._wake.wait(timeout=None if self._down_since is None else backoff)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            self._attempt()
+            backoff = 1.0 if self._down_since is None else min(30.0, backoff * 2)
+
+    def _attempt(self) -> Delivery:
+        result = self.journal.deliver()
+        if result.error is not None and self._down_since is None:
+            self._down_since = time.monotonic()
+            self.say(f"MLflow: the store at {redact(self.journal.uri)} does not answer ({describe(result.error)}); "
+                     f"the run's records wait in {self.journal.dir} and go when it answers (training goes on)", "down")
+            _SAID.discard((self.journal.key, "back"))
+        elif result.error is None and self._down_since is not None:
+            self.say(f"MLflow: the store answers again after {time.monotonic() - self._down_since:.0f} s; the "
+                     "records that waited were delivered in order", "back")
+            _SAID.discard((self.journal.key, "down"))
+            self._down_since = None
+        return result
+
+    def close(self, timeout_s: float = 60.0) -> Delivery:
+        """Stop the thread and make a last delivery (bounded by the HTTP timeouts); say once what still waits and
+        how to send it; remove the journal once the store has all of it."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=timeout_s)
+        result = self.journal.deliver(wait=True)
+        if self.others and result.error is None:  # what was added to other runs meanwhile (a killed run's close)
+            with contextlib.suppress(Exception):
+                deliver_all(self.journal.dir.parent, skip=self.journal)
+        if result.waiting:
+            self.say(f"MLflow: {result.waiting} record(s) of run {self.journal.key} wait in {self.journal.dir}: the "
+                     f"store at {redact(self.journal.uri)} did not answer ({describe(result.error)}). The next "
+                     "training or evaluate stage sends them, or now: python -m ddpipe.outbox deliver", "left")
+        else:
+            finished(self.journal)
+        return result
+
+
+def describe(exc: BaseException | None) -> str:
+    if exc is None:
+        return "busy"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {redact(text)[:200]}"
+
+
+def journals(root: Path) -> list[Journal]:
+    """Every journal under ``root`` (main journals first: another node's journal of a pending run needs the id
+    the main one's delivery gets)."""
+    found = []
+    for path in sorted(Path(root).glob("*/*.jsonl")):
+        if path.name.endswith(".rejected.jsonl"):
+            continue
+        store = json.loads((path.parent / "store.json").read_text()) if (path.parent / "store.json").is_file() \
+            else {}
+        found.append(Journal(root, path.parent.name, store.get("tracking_uri", ""), path.stem, owner=False))
+    return sorted(found, key=lambda j: (j.name != "main", j.key))
+
+
+def deliver_all(root: Path, uri: str | None = None, skip: Journal | None = None) -> tuple[int, int]:
+    """Deliver every journal under ``root`` but ``skip`` (to ``uri`` where given, else each journal's own store):
+    (sent, still waiting). A journal the store has whole is removed, unless a live process still writes it."""
+    sent = waiting = 0
+    for journal in journals(root):
+        if skip is not None and (journal.key, journal.name) == (skip.key, skip.name):
+            continue
+        if uri:
+            journal.uri = uri
+        result = journal.deliver(wait=True)
+        sent, waiting = sent + result.sent, waiting + result.waiting
+        if not result.waiting and not journal.written_by_live_process():
+            finished(journal)
+    return sent, waiting
+
+
+def finished(journal: Journal) -> None:
+    """Remove a delivered journal, and its run's directory (copied files included) once no journal of it waits
+    and none was set aside."""
+    for suffix in (".jsonl", ".sent", ".lock", ".owner"):
+        (journal.dir / f"{journal.name}{suffix}").unlink(missing_ok=True)
+    if not any(journal.dir.glob("*.jsonl")):
+        shutil.rmtree(journal.dir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``deliver`` or ``status`` of the outbox of this repository (``mlflow.outbox``)."""
+    from ddpipe.cli import load_or_exit
+    from ddpipe.runstore import bound_http_requests, tracking_uri
+
+    p = argparse.ArgumentParser(prog="python -m ddpipe.outbox", description=__doc__.split("\n\n")[0])
+    p.add_argument("command", choices=("deliver", "status"))
+    p.add_argument("overrides", nargs="*", help="key=value, as for the stages (e.g. mlflow.outbox=...)")
+    args = p.parse_args(argv)
+    cfg = load_or_exit(args.overrides, "-m ddpipe.outbox")
+    root = outbox_root(cfg.mlflow.outbox)
+    if args.command == "status":
+        for journal in journals(root):
+            print(f"{journal.key} {journal.name}: {len(journal.waiting())} record(s) waiting for "
+                  f"{redact(journal.uri)}")
+        return 0
+    bound_http_requests()
+    env_uri = os.environ.get("MLFLOW_TRACKING_URI")
+    sent, waiting = deliver_all(root, env_uri or None)
+    print(f"delivered {sent} record(s) from {root}; {waiting} still waiting"
+          + ("" if not waiting else f" (the store at {redact(env_uri or tracking_uri(cfg.mlflow))} did not answer)"))
+    return 0 if not waiting else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
