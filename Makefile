@@ -9,7 +9,8 @@ BIN    := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
-.PHONY: setup data-package repro test test-fast test-slurm test-gpu lint bench clean-runs ui-deps slurm-deps
+.PHONY: setup data-package repro test test-fast test-slurm test-gpu lint bench clean-runs ui-deps slurm-deps \
+	server-deps tracking-server
 
 setup: $(VENV)/.installed data-package
 
@@ -45,10 +46,23 @@ slurm-deps:
 		|| echo "warning: could not install SLURM"; \
 	else echo "note: SLURM missing and apt-get unavailable (or not root); tests/test_slurm.py will skip"; fi
 
+# PostgreSQL 15, for the team's tracking server and the tests that run one (tests/test_server.py skips without it).
+server-deps:
+	@if [ -x /usr/lib/postgresql/15/bin/initdb ]; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -q && apt-get install -y -q postgresql) || echo "warning: could not install PostgreSQL"; \
+	else echo "note: PostgreSQL missing and apt-get unavailable (or not root); tests/test_server.py will skip"; fi
+
+# A team's tracking server on this host: PostgreSQL + mlflow server with users (deploy/README.md). The admin's
+# password comes from MLFLOW_AUTH_ADMIN_PASSWORD (or TRACKING_SERVER_ARGS=--admin-password-file FILE).
+TRACKING_SERVER_ARGS ?= --dir tracking-server --host 127.0.0.1 --port 5000
+tracking-server: setup server-deps
+	python deploy/tracking_server.py start $(TRACKING_SERVER_ARGS)
+
 repro: setup
 	dvc repro
 
-test: setup ui-deps slurm-deps
+test: setup ui-deps slurm-deps server-deps
 	python -m pytest
 
 # The SLURM tests alone: a two-node cluster on this host runs, stops and requeues train.sbatch jobs.

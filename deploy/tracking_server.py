@@ -89,6 +89,10 @@ def start_postgres(directory: Path, port: int) -> str:
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
         if owner_root:
             shutil.chown(d, "postgres", "postgres")
+    if owner_root and subprocess.run(_as_owner(["test", "-w", str(data)])).returncode:
+        raise ServerError(f"the postgres user cannot reach {data}: a directory above it is not open to other users "
+                          "(PostgreSQL refuses to run as root, so it runs as postgres); choose a --dir under a "
+                          "directory others may traverse (chmod o+x), e.g. /srv or /var/lib")
     password = _secret(directory, "postgres-mlflow-password")
     if not (data / "PG_VERSION").is_file():
         print(f"initialising PostgreSQL in {data}", flush=True)

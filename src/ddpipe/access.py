@@ -30,10 +30,10 @@ def check_access(cfg: MlflowConfig) -> str | None:
         return None
     bound_http_requests()
     import mlflow
-    from mlflow.tracking._tracking_service.utils import _get_default_host_creds
+    from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.rest_utils import http_request
 
-    creds = _get_default_host_creds(uri)
+    creds = get_default_host_creds(uri)
     user = creds.username or ""
 
     def get(endpoint: str) -> Any:
@@ -57,12 +57,15 @@ def check_access(cfg: MlflowConfig) -> str | None:
         return f"note: the MLflow server at {where} answers {answer.status_code}; the training's records will wait"
     if not user or _is_admin(get, user):
         return None
-    mlflow.set_tracking_uri(uri)
-    try:
-        exp = experiment_id(mlflow, cfg.experiment_name, uri)  # created now when missing: its creator may write
-    except mlflow.exceptions.MlflowException as exc:
-        raise StoreAccessError(f"the MLflow server at {where} does not let {who} create or tag experiment "
-                               f"{cfg.experiment_name!r} ({exc.error_code}); ask its admin for EDIT") from None
+    if answer.status_code == 200:
+        exp = answer.json()["experiment"]["experiment_id"]
+    else:  # none yet: created now, and its creator may write to it
+        mlflow.set_tracking_uri(uri)
+        try:
+            exp = experiment_id(mlflow, cfg.experiment_name, uri)
+        except mlflow.exceptions.MlflowException as exc:
+            raise StoreAccessError(f"the MLflow server at {where} does not let {who} create experiment "
+                                   f"{cfg.experiment_name!r} ({exc.error_code}); ask its admin") from None
     perm = get(f"/api/3.0/mlflow/users/permissions/get?username={quote(user)}&resource_type=experiment"
                f"&resource_id={exp}")
     if perm.status_code == 200 and perm.json().get("permission") not in WRITERS:

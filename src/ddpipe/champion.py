@@ -11,10 +11,12 @@ delivered by :func:`record_and_promote`, which says in the log what it did and w
 from __future__ import annotations
 
 import hashlib
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from ddpipe.data.store import SPLITS
+from ddpipe.procs import host_lock
 
 
 def test_split_digest(prepared: str | Path) -> str:
@@ -34,8 +36,10 @@ def test_split_digest(prepared: str | Path) -> str:
 
 
 def record_and_promote(client: Any, run_id: str, rec: dict) -> None:
-    """Tag the version registered from ``run_id`` with its test result; move ``rec['alias']`` to it when it beats
-    the holder's accuracy on the same test split (or there is no holder). Prints what it did."""
+    """Tag the version registered from ``run_id`` with its test result; then move ``rec['alias']`` to the best
+    version measured on the holder's test split (this one's when there is no holder), if that beats the holder.
+    Each evaluate stage tags first and decides second, under a lock on this host, so evaluate stages at once
+    converge on the best version whatever their order. Prints what it did."""
     name, alias, accuracy, split = rec["model_name"], rec.get("alias"), float(rec["test_accuracy"]), rec["split"]
     versions = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
     if not versions:
@@ -47,26 +51,35 @@ def record_and_promote(client: Any, run_id: str, rec: dict) -> None:
     client.set_model_version_tag(name, version, "test_split", split)
     if not alias:
         return
+    key = hashlib.sha256(f"{client.tracking_uri}|{name}|{alias}".encode()).hexdigest()[:16]
+    with host_lock(Path(tempfile.gettempdir()) / f"ddpipe-alias-{key}.lock"):
+        _promote(client, name, alias, version, accuracy, split)
+
+
+def _promote(client: Any, name: str, alias: str, version: str, accuracy: float, split: str) -> None:
     try:
         holder = client.get_model_version_by_alias(name, alias)
     except Exception:  # no holder yet
         holder = None
-    if holder is None:
-        client.set_registered_model_alias(name, alias, version)
-        print(f"MLflow: {name}@{alias} -> version {version} (test accuracy {accuracy:.4f}; the first holder)",
-              flush=True)
-        return
-    if holder.version == version:
-        return
-    theirs, their_split = holder.tags.get("test_accuracy"), holder.tags.get("test_split")
-    if their_split != split or theirs is None:
+    if holder is not None and holder.tags.get("test_split") != split:
         print(f"MLflow: {name}@{alias} stays on version {holder.version}: it was measured on another test split "
-              f"({their_split} vs {split}); version {version} has test accuracy {accuracy:.4f}. Move it by hand if "
-              f"wanted: MlflowClient().set_registered_model_alias({name!r}, {alias!r}, {version!r})", flush=True)
-    elif accuracy > float(theirs):
-        client.set_registered_model_alias(name, alias, version)
-        print(f"MLflow: {name}@{alias} -> version {version} (test accuracy {accuracy:.4f} beats version "
-              f"{holder.version}'s {float(theirs):.4f} on the same test split)", flush=True)
+              f"({holder.tags.get('test_split')} vs {split}); version {version} has test accuracy {accuracy:.4f}. "
+              f"Move it by hand if wanted: MlflowClient().set_registered_model_alias({name!r}, {alias!r}, "
+              f"{version!r})", flush=True)
+        return
+    measured = [v for v in client.search_model_versions(f"name = '{name}'")
+                if v.tags.get("test_split") == split and "test_accuracy" in v.tags]
+    best = max(measured, key=lambda v: (float(v.tags["test_accuracy"]), -int(v.version)))
+    best_acc = float(best.tags["test_accuracy"])
+    if holder is None:
+        client.set_registered_model_alias(name, alias, best.version)
+        print(f"MLflow: {name}@{alias} -> version {best.version} (test accuracy {best_acc:.4f}; the first holder)",
+              flush=True)
+    elif best.version != holder.version and best_acc > float(holder.tags["test_accuracy"]):
+        client.set_registered_model_alias(name, alias, best.version)
+        print(f"MLflow: {name}@{alias} -> version {best.version} (test accuracy {best_acc:.4f} beats version "
+              f"{holder.version}'s {float(holder.tags['test_accuracy']):.4f} on the same test split)", flush=True)
     else:
-        print(f"MLflow: {name}@{alias} stays on version {holder.version} (test accuracy {float(theirs):.4f}; version "
-              f"{version} has {accuracy:.4f} on the same test split)", flush=True)
+        print(f"MLflow: {name}@{alias} stays on version {holder.version} (test accuracy "
+              f"{float(holder.tags['test_accuracy']):.4f}; version {version} has {accuracy:.4f} on the same test "
+              "split)", flush=True)

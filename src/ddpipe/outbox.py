@@ -195,8 +195,8 @@ class Courier:
             self._attempt()
             backoff = 1.0 if self._down_since is None else min(30.0, backoff * 2)
 
-    def _attempt(self) -> Delivery:
-        result = self.journal.deliver()
+    def _attempt(self, wait: bool = False) -> Delivery:
+        result = self.journal.deliver(wait)
         if result.error is not None and self._down_since is None:
             self._down_since = time.monotonic()
             self.say(f"MLflow: the store at {redact(self.journal.uri)} does not answer ({describe(result.error)}); "
@@ -215,7 +215,12 @@ class Courier:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=timeout_s)
-        result = self.journal.deliver(wait=True)
+        result = self._attempt(wait=True)
+        for pause in (1.0, 2.0):  # a restarted server's first answers fail on stale pooled connections
+            if result.error is None:
+                break
+            time.sleep(pause)
+            result = self._attempt(wait=True)
         if self.others and result.error is None:  # what was added to other runs meanwhile (a killed run's close)
             with contextlib.suppress(Exception):
                 deliver_all(self.journal.dir.parent, skip=self.journal)

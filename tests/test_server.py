@@ -1,0 +1,254 @@
+"""A team's tracking server, for real: PostgreSQL (Debian's package) and `mlflow server --app-name basic-auth`,
+started by deploy/tracking_server.py as the README says, with an admin, a writer and a reader. Skipped, with the
+reason, where PostgreSQL is not installed (CI installs it)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ddpipe.data.store import open_split
+from tests.conftest import ROOT, VENV_BIN, args_for, free_port, run, subprocess_env, wait_for_url
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    not (PG_BIN / "initdb").is_file(), reason="PostgreSQL 15 is not installed (apt-get install postgresql)")]
+ADMIN_PW, WRITER_PW, READER_PW = "admin-pw-0123456789", "writer-pw-0123456789", "reader-pw-0123456789"
+SCRIPT = str(ROOT / "deploy" / "tracking_server.py")
+
+
+class Server:
+    def __init__(self, directory: Path, port: int, pg_port: int) -> None:
+        self.dir, self.port, self.pg_port = directory, port, pg_port
+        self.url = f"http://127.0.0.1:{port}"
+
+    def start(self) -> None:
+        run(["python", SCRIPT, "start", "--dir", str(self.dir), "--port", str(self.port), "--pg-port",
+             str(self.pg_port)], env={"MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN_PW}, timeout=300)
+
+    def stop(self, keep_postgres: bool = False) -> None:
+        run(["python", SCRIPT, "stop", "--dir", str(self.dir), *(["--keep-postgres"] if keep_postgres else [])])
+
+    def as_user(self, user: str, password: str) -> dict[str, str]:
+        return {"MLFLOW_TRACKING_URI": self.url, "MLFLOW_TRACKING_USERNAME": user, "MLFLOW_TRACKING_PASSWORD": password}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    # not under pytest's 0700 tmp: PostgreSQL runs as the postgres user, who must reach its directory
+    directory = Path(tempfile.mkdtemp(prefix="ddpipe-team-server-"))
+    directory.chmod(0o755)
+    s = Server(directory, free_port(), free_port())
+    s.start()
+    try:
+        admin = s.as_user("admin", ADMIN_PW)
+        for user, pw, perm in (("writer", WRITER_PW, "EDIT"), ("reader", READER_PW, "READ")):
+            run(["python", SCRIPT, "add-user", user, "--permission", perm, "--experiment", "ddpipe"],
+                env={**admin, "DDPIPE_NEW_USER_PASSWORD": pw})
+        yield s
+    finally:
+        s.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _client(server: Server, user: str, password: str):  # noqa: ANN202
+    from mlflow import MlflowClient
+
+    os.environ.update(server.as_user(user, password))  # restored by conftest's autouse fixture
+    return MlflowClient(server.url)
+
+
+def _status(url: str, method: str = "GET", body: dict | None = None) -> int:
+    req = urllib.request.Request(url, method=method, data=json.dumps(body).encode() if body else None,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_without_credentials_every_request_gets_401(server: Server) -> None:
+    for method, path, body in (("GET", "/api/2.0/mlflow/experiments/get-by-name?experiment_name=ddpipe", None),
+                               ("POST", "/api/2.0/mlflow/experiments/search", {"max_results": 5}),
+                               ("POST", "/api/2.0/mlflow/runs/create", {"experiment_id": "1"}),
+                               ("GET", "/api/2.0/mlflow-artifacts/artifacts", None),
+                               ("GET", "/api/2.0/mlflow/registered-models/search", None)):
+        assert _status(server.url + path, method, body) == 401, path
+
+
+def test_a_reader_cannot_create_or_change_runs(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlflow.exceptions import MlflowException
+
+    writer = _client(server, "writer", WRITER_PW)
+    exp = writer.get_experiment_by_name("ddpipe").experiment_id
+    run_id = writer.create_run(exp).info.run_id
+    reader = _client(server, "reader", READER_PW)
+    assert reader.get_run(run_id).info.run_id == run_id  # it may read
+    for attempt in (lambda: reader.create_run(exp), lambda: reader.log_metric(run_id, "x", 1.0),
+                    lambda: reader.set_tag(run_id, "x", "y"), lambda: reader.set_terminated(run_id)):
+        with pytest.raises(MlflowException) as refused:
+            attempt()
+        assert refused.value.get_http_status_code() == 403
+
+
+@pytest.mark.parametrize(("user", "password", "said"), [
+    ("writer", "not-the-password", "refused the credentials of user 'writer'"),
+    ("reader", READER_PW, "user 'reader' may only READ experiment 'ddpipe'"),
+])
+def test_a_training_the_server_would_refuse_fails_before_any_worker_starts(
+        server: Server, tmp_path: Path, prepared: Path, user: str, password: str, said: str) -> None:
+    result = run(["python", "-m", "ddpipe.launch", *args_for(tmp_path, prepared, "mlflow.tracking_uri=null")],
+                 env=server.as_user(user, password), check=False)
+    assert result.returncode == 2 and said in result.stderr, result.stderr
+    assert "torch.distributed.run" not in result.stdout  # torchrun was never started
+    assert not any((tmp_path / name).exists() for name in ("ckpt", "model.pt", "run.json", "outbox"))
+    assert password not in result.stdout + result.stderr
+
+
+def test_a_server_down_for_epochs_two_and_three_loses_nothing(server: Server, tmp_path: Path, prepared: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stopped after epoch 1's checkpoint, started again after epoch 3's (the training paused meanwhile so that
+    the server is back before it ends): the run then holds each epoch's metrics once, and FINISHED."""
+    args = args_for(tmp_path, prepared, "num_epochs=5", "mlflow.tracking_uri=null", "train.export=best",
+                    "train.keep_checkpoints=5")
+    proc = subprocess.Popen(["python", "-m", "ddpipe.launch", *args], cwd=ROOT,
+                            env=subprocess_env(server.as_user("writer", WRITER_PW)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for_epoch(tmp_path / "ckpt", 1, proc)
+        with _paused(proc):  # while the server stops: epochs 2 and 3 run without it
+            server.stop(keep_postgres=True)
+        _wait_for_epoch(tmp_path / "ckpt", 3, proc)
+        with _paused(proc):  # the server is back before the training ends
+            server.start()
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-4000:]
+    assert err.count("does not answer") == 1 and "answers again" in err, err[-4000:]
+    run_id = json.loads((tmp_path / "run.json").read_text())["run_id"]
+    client = _client(server, "writer", WRITER_PW)
+    r = client.get_run(run_id)
+    assert r.info.status == "FINISHED"
+    for key in ("train_loss", "val_loss", "val_accuracy", "best_val_accuracy"):
+        assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [1, 2, 3, 4, 5], key
+    assert not any((tmp_path / "outbox").rglob("*.jsonl"))  # all delivered
+    for text in (out, err, json.dumps(r.data.params), json.dumps(r.data.tags), (tmp_path / "run.json").read_text()):
+        assert WRITER_PW not in text
+
+
+@contextlib.contextmanager
+def _paused(proc: subprocess.Popen) -> Iterator[None]:
+    """The launcher, torchrun and its workers (a session of their own) stopped, then continued."""
+    import psutil
+
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for p in tree:
+        p.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in tree:
+            p.send_signal(signal.SIGCONT)
+
+
+def _wait_for_epoch(directory: Path, epoch: int, proc: subprocess.Popen) -> None:
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if list(directory.glob(f"ckpt-*-e{epoch:04d}-s000000.pt")):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"no checkpoint of epoch {epoch} while the training was alive (exit {proc.poll()})")
+
+
+def test_a_sweep_of_four_at_once_two_on_two_nodes_with_their_evaluations(server: Server, tmp_path: Path,
+                                                                         prepared: Path) -> None:
+    """Four trainings at once against the PostgreSQL-backed server, two of them two-node jobs (two torchrun agents
+    each, c10d on this host), then their four evaluate stages at once: every metric of every run there, once, and
+    each run FINISHED under one sweep parent; the better registered version holds the alias, served by alias from
+    another directory with only the server's address and credentials."""
+    env = server.as_user("writer", WRITER_PW)
+    procs, dirs = [], []
+    for i in range(4):
+        d = tmp_path / f"t{i}"
+        dirs.append(d)
+        args = args_for(d, prepared, "mlflow.tracking_uri=null", "mlflow.sweep=team-grid", f"seed={i}",
+                        "mlflow.registered_model_name=team-classifier", f"train.base_lr={0.003 * (i + 1)}",
+                        "mlflow.log_system_metrics=true")
+        if i < 2:  # two nodes: two launchers sharing a rendezvous endpoint
+            port = free_port()
+            for _ in range(2):
+                procs.append(subprocess.Popen(
+                    ["python", "-m", "ddpipe.launch", *args, "distributed.nnodes=2",
+                     f"distributed.rdzv_endpoint=127.0.0.1:{port}", f"distributed.rdzv_id=grid{i}"],
+                    cwd=ROOT, env=subprocess_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        else:
+            procs.append(subprocess.Popen(["python", "-m", "ddpipe.launch", *args], cwd=ROOT, env=subprocess_env(env),
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    evals = [subprocess.Popen(["python", "stages/evaluate.py", *args_for(d, prepared, "mlflow.tracking_uri=null",
+                                                                          "mlflow.registered_model_name=team-classifier")],
+                              cwd=ROOT, env=subprocess_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for d in dirs]
+    outs = [p.communicate(timeout=600)[0] for p in evals]
+    assert all(p.returncode == 0 for p in evals), "\n".join(o[-3000:] for o in outs)
+    text = "\n".join(outs)
+    assert "database is locked" not in text and WRITER_PW not in text
+    client = _client(server, "writer", WRITER_PW)
+    ids = [json.loads((d / "run.json").read_text())["run_id"] for d in dirs]
+    parents = {client.get_run(r).data.tags["mlflow.parentRunId"] for r in ids}
+    assert len(parents) == 1 and client.get_run(parents.pop()).info.run_name == "team-grid"
+    for i, run_id in enumerate(ids):
+        r = client.get_run(run_id)
+        assert r.info.status == "FINISHED" and "test_accuracy" in r.data.metrics
+        assert r.data.tags["num_nodes"] == ("2" if i < 2 else "1")
+        for key in ("train_loss", "val_accuracy"):
+            assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [1, 2], (run_id, key)
+        nodes = {k.split("/")[1] for k in r.data.metrics if k.startswith("system/")}
+        assert nodes == ({"node0", "node1"} if i < 2 else {"node0"}), nodes
+    versions = client.search_model_versions("name = 'team-classifier'")
+    assert sorted(v.run_id for v in versions) == sorted(ids)
+    best = max(versions, key=lambda v: float(v.tags["test_accuracy"]))
+    holder = client.get_model_version_by_alias("team-classifier", "champion")
+    assert float(holder.tags["test_accuracy"]) == float(best.tags["test_accuracy"])
+    assert "team-classifier@champion" in text
+    _serve_by_alias(server, tmp_path, prepared, dirs[ids.index(holder.run_id)])
+
+
+def _serve_by_alias(server: Server, tmp_path: Path, prepared: Path, evaluated_dir: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    port = free_port()
+    env = {k: v for k, v in subprocess_env(server.as_user("reader", READER_PW)).items() if not k.startswith("DVC")}
+    proc = subprocess.Popen([str(VENV_BIN / "mlflow"), "models", "serve", "-m", "models:/team-classifier@champion",
+                             "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)], cwd=elsewhere, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for_url(f"{url}/ping", 180, proc)
+        images = np.asarray(open_split(prepared, "test").images[:, 0])
+        req = urllib.request.Request(f"{url}/invocations", data=json.dumps({"inputs": images.tolist()}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            answer = json.loads(r.read())["predictions"]
+        evaluated = [line.split(",")[1] for line in (evaluated_dir / "confusion.csv").read_text().splitlines()[1:]]
+        assert [p["label"] for p in answer] == evaluated
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
