@@ -102,6 +102,39 @@ def test_undecodable_files_are_named(tmp_path: Path) -> None:
     assert isinstance(images.probe_chunk([str(tmp_path / "cut.jpg")])[0], str)
 
 
+def _png() -> bytes:
+    out = io.BytesIO()
+    _photo(300, 300).save(out, "PNG")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("name, content, words", [
+    ("empty.jpg", b"", "the file is empty (0 bytes)"),
+    ("notes.png", b"class list\ncat dog\n", "not an image but text (19 bytes, starting 'class list\\ncat dog\\n')"),
+    ("page.jpg", b"<!DOCTYPE html><title>404</title>", "not an image but text"),
+    ("noise.png", bytes(range(256)), "not an image: its first bytes match no image format"),
+    ("cut.png", _png()[:50_000], "truncated: the PNG data ends before the image does (50,000 bytes)"),
+    ("header.png", _png()[:8], "a damaged PNG file: its header is cut short or corrupt (8 bytes)"),
+])
+def test_an_undecodable_file_is_said_wrong_in_words(tmp_path: Path, name: str, content: bytes, words: str) -> None:
+    """What is wrong with the file, in words, and never PIL's ``<_io.BytesIO object at 0x...>``."""
+    (tmp_path / name).write_bytes(content)
+    for read in (images.probe, lambda p: images.decode(p, grey=False)):
+        with pytest.raises(BadImage) as bad:
+            read(tmp_path / name)
+        assert str(bad.value).startswith(f"{tmp_path / name}: cannot be decoded as an image: {words}")
+        assert "BytesIO" not in str(bad.value) and " at 0x" not in str(bad.value)
+
+
+def test_an_image_of_too_many_pixels_is_said_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PIL refuses an image of more than twice MAX_IMAGE_PIXELS (a decompression bomb): said with both figures."""
+    (tmp_path / "huge.png").write_bytes(_png())
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 20_000)
+    with pytest.raises(BadImage, match=r"huge.png: cannot be decoded as an image: too many pixels \(90,000 pixels; "
+                                       r"PIL decodes at most 40,000"):
+        images.probe(tmp_path / "huge.png")
+
+
 def test_sums_from_histograms_equal_sums_from_pixels() -> None:
     pixels = np.random.default_rng(0).integers(0, 256, size=(17, 23, 3), dtype=np.uint8)
     expected = pixels.reshape(-1, 3).astype(np.int64)

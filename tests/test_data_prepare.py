@@ -96,13 +96,40 @@ def test_an_undecodable_image_fails_prepare_naming_it_or_is_skipped_and_listed(t
     good = sorted((Path(cfg.source_dir) / "class_01").glob("*.jpg"))[0]
     bad = good.with_name("broken.jpg")
     bad.write_bytes(good.read_bytes()[:300])
-    with pytest.raises(DataSourceError, match=f"{bad}: cannot be decoded as an image .* Nothing was written"):
+    with pytest.raises(DataSourceError, match=f"{bad}: cannot be decoded as an image: truncated: the JPEG data ends "
+                                             "before the image does .* Nothing was written"):
         prepare(cfg, 0, tmp_path / "raw", tmp_path / "prepared")
     assert {p.name: p.read_bytes() for p in (tmp_path / "prepared").iterdir()} == before
     meta = prepare(DataConfig(**{**cfg.__dict__, "skip_bad_images": True}), 0, tmp_path / "raw",
                    tmp_path / "prepared")
     assert sum(meta.sizes.values()) == 60 and meta.source["images"] == 61
     assert len(meta.source["skipped_undecodable"]) == 1 and str(bad) in meta.source["skipped_undecodable"][0]
+
+
+def test_every_file_left_out_of_a_folder_is_said_once_in_words(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """An image at the folder's root, a class folder without images, a zero-byte .jpg and a text file named .png:
+    prepare says each once, in words, naming the file or folder."""
+    cfg = _folder(tmp_path)
+    src = Path(cfg.source_dir)
+    good = sorted((src / "class_01").glob("*.jpg"))[0]
+    (src / "loose.jpg").write_bytes(good.read_bytes())
+    (src / "class_03").mkdir()
+    (src / "class_01" / "zero.jpg").write_bytes(b"")
+    (src / "class_02" / "labels.png").write_text("class_02: 20 images\n")
+    meta = prepare(DataConfig(**{**cfg.__dict__, "skip_bad_images": True}), 0, tmp_path / "raw",
+                   tmp_path / "prepared", workers=2)
+    err = capsys.readouterr().err
+    said = {
+        f"1 image file(s) at the root of {src}, not in a class folder, are left out (loose.jpg)": 1,
+        f"1 folder(s) of {src} hold no image and make no class: class_03/ (empty)": 1,
+        f"{src / 'class_01' / 'zero.jpg'}: cannot be decoded as an image: the file is empty (0 bytes)": 1,
+        f"{src / 'class_02' / 'labels.png'}: cannot be decoded as an image: not an image but text": 1,
+    }
+    assert {words: err.count(words) for words in said} == said
+    assert all(line.startswith("prepare: warning: ") for line in err.splitlines())
+    assert meta.classes == ["class_00", "class_01", "class_02"] and sum(meta.sizes.values()) == 60
+    assert (meta.source["root_images"], meta.source["empty_folders"]) == (1, ["class_03"])
 
 
 def test_a_class_subset_is_prepared_and_recorded(tmp_path: Path, accept_test_checksums) -> None:

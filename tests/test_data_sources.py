@@ -91,6 +91,33 @@ def test_imagefolder_is_listed_in_class_then_path_order_without_other_files(tmp_
     assert table.labels.tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2]
 
 
+def test_images_at_the_root_and_folders_without_images_are_counted_and_said(tmp_path: Path) -> None:
+    """Left out of the classes, as before, but no longer without a word: how many, which, where."""
+    make_imagefolder(tmp_path, per_class=2)
+    for name in ("z.png", "a.JPG", "m.png", "b.png"):
+        (tmp_path / name).write_bytes((tmp_path / "cat" / "0.png").read_bytes())
+    (tmp_path / "README.txt").write_text("not an image, not a class")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "labels.csv").write_text("x")
+    table = list_imagefolder(tmp_path)
+    assert table.classes == ["cat", "dog", "fox"] and len(table) == 6
+    assert (table.root_images, table.root_examples, table.empty_folders) == (4, ["a.JPG", "b.png", "m.png"],
+                                                                             [("empty", 0), ("notes", 1)])
+    assert table.left_out() == [
+        f"4 image file(s) at the root of {tmp_path}, not in a class folder, are left out (a.JPG, b.png, m.png, ...); "
+        "each class is a sub-folder: move them into theirs",
+        f"2 folder(s) of {tmp_path} hold no image and make no class: empty/ (empty), notes/ (1 other file(s))"]
+    (tmp_path / "images").mkdir()
+    for name in ("cat", "dog", "fox", "empty", "notes"):
+        (tmp_path / name).rename(tmp_path / "images" / name)
+    assert list_imagefolder(tmp_path / "images").left_out() == [
+        f"2 folder(s) of {tmp_path / 'images'} hold no image and make no class: empty/ (empty), "
+        "notes/ (1 other file(s))"]
+    with pytest.raises(DataSourceError, match=r"found \['images'\]; 4 image\(s\) lie at its root"):
+        list_imagefolder(tmp_path)
+
+
 def test_fetch_of_a_folder_checks_it_and_copies_nothing(tmp_path: Path) -> None:
     src = make_imagefolder(tmp_path / "imgs", per_class=4)
     origin = fetch(DataConfig(dataset="imagefolder", source_dir=str(src)), tmp_path / "raw")

@@ -163,6 +163,55 @@ def test_a_network_of_ones_own_trains_evaluates_and_is_served_from_another_direc
     _serve_and_compare(tmp_path, prepared, uri, run_id, elsewhere)
 
 
+def test_the_model_is_logged_as_code_without_a_pickle_or_a_warning(tmp_path: Path, tiny_cfg,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """log_model writes MLflow's models-from-code form: no python_model.pkl, no CloudPickle warning (MLflow logs
+    it through its own logger, which does not propagate); the loaded model, from another directory, answers as
+    the classifier does; the registered version keeps its tags."""
+    import logging
+    import warnings
+
+    import mlflow
+
+    from ddpipe.inference import MODEL_CODE_FILE, log_model
+
+    torch.manual_seed(0)
+    model_cfg = ModelConfig(name="resnet_small", width=8)
+    meta = {"num_channels": 1, "classes": [f"c{i}" for i in range(10)], "mean": [0.3], "std": [0.35],
+            "image_size": [28, 28], "encoding": "raw"}
+    save_model(build_model(model_cfg, 1, 10).state_dict(), model_cfg, meta, tmp_path / "m.pt",
+               extra={"exported_epoch": 1})
+    cfg = tiny_cfg("mlflow.registered_model_name=code-model")
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = mlflow.create_experiment("code", artifact_location=(tmp_path / "artifacts").as_uri())
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("mlflow").addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as warned, mlflow.start_run(experiment_id=experiment) as run:
+            warnings.simplefilter("always")
+            logging.getLogger("mlflow.pyfunc").warning("the capture hears mlflow.pyfunc")
+            log_model(mlflow, run.info.run_id, tmp_path / "m.pt", _images(2), cfg)
+    finally:
+        logging.getLogger("mlflow").removeHandler(handler)
+    heard = said + [str(w.message) for w in warned]
+    assert "the capture hears mlflow.pyfunc" in heard
+    assert not [m for m in heard if "CloudPickle" in m or "pickle" in m.lower()], heard
+    local = Path(mlflow.artifacts.download_artifacts(f"runs:/{run.info.run_id}/model", dst_path=str(tmp_path / "dl")))
+    assert (local / MODEL_CODE_FILE).is_file() and not list(local.rglob("*.pkl"))
+    assert "model_code_path" in (local / "MLmodel").read_text()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    served = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model")
+    expected = prediction_frame(ImageClassifier.load(tmp_path / "m.pt"), _images(5))
+    answer = served.predict(_images(5))
+    assert answer["label"].tolist() == expected["label"].tolist()
+    assert np.array_equal(np.stack(answer["probabilities"]), np.stack(expected["probabilities"]))
+    (version,) = mlflow.MlflowClient().search_model_versions("name = 'code-model'")
+    assert version.tags["run_id"] == run.info.run_id
+
+
 def test_eval_flips_average_the_mirror_images_logits(tmp_path: Path) -> None:
     """model.eval_flips travels in the saved model: the served model predicts as validation did; a model
     file from before the key predicts without flips."""

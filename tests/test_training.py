@@ -46,6 +46,20 @@ def test_train_in_process_on_the_real_config_shrunk(tiny_cfg, prepared: Path) ->
     assert len(names) == 2 and names[-1].endswith("-e0001-s000000.pt")
 
 
+def test_a_training_logged_to_a_file_reads_as_plain_lines(tiny_cfg, prepared: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Output not a terminal (``dvc repro > log 2>&1``, a cluster job): the progress comes as a few plain lines
+    before each epoch's line, with no carriage return and no line a reader has to scroll."""
+    cfg = tiny_cfg(f"paths.prepared={prepared}", "num_epochs=2", "train.progress_bar=true", "mlflow.log_model=false",
+                   "mlflow.log_system_metrics=false")
+    train(cfg)
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err and max(len(line) for line in (out + err).splitlines()) <= 300
+    progress = [line for line in err.splitlines() if ": step " in line]
+    assert [line.split(":")[0] for line in progress] == ["epoch 1/2"] * 4 + ["epoch 2/2"] * 4
+    assert all(" images/s, " in line and " left" in line for line in progress)
+
+
 @pytest.mark.slow
 def test_one_and_two_processes_end_as_close_as_float_rounding_allows(tmp_path: Path, prepared: Path) -> None:
     """Default AdamW and precision, lr_scaling=none, global batch 64 as 1 x 64

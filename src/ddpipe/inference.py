@@ -20,6 +20,7 @@ sent and what is accepted.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -162,28 +163,33 @@ def prediction_frame(classifier: ImageClassifier, images: Any) -> pd.DataFrame:
     })
 
 
+# The logged model is code, not a pickle (MLflow's models-from-code): MLflow copies this file into the model and
+# runs it when the model loads, with the model's code_paths (ddpipe, a user's own network) on sys.path; nothing is
+# unpickled. Written out when logging rather than kept as a module: nothing imports it, and as part of this module
+# an edit to it re-runs the train stage, which logs the model.
+MODEL_CODE_FILE = "ddpipe_classifier.py"
+MODEL_CODE = '''"""ddpipe's image classifier as MLflow loads it (models-from-code); the weights are its artifact."""
+import mlflow.models
+
+from ddpipe.inference import MlflowImageClassifier
+
+mlflow.models.set_model(MlflowImageClassifier())
+'''
+
+
 def log_model(mlflow: Any, run_id: str, model_path: Path, input_example: Any, cfg: Config) -> None:
     """``model_path`` (``paths.model``) into the active run ``run_id`` as a pyfunc :class:`MlflowImageClassifier`
-    that a client calls with plain images; registered as a new version when ``mlflow.registered_model_name`` is
-    set. Nothing is logged when the run already holds this model (see :func:`_has_model`)."""
+    that a client calls with plain images, logged as code (:data:`MODEL_CODE`: no pickle); registered as a new
+    version when ``mlflow.registered_model_name`` is set. Nothing is logged when the run already holds this model
+    (see :func:`_has_model`)."""
     classifier = ImageClassifier.load(model_path)
     if _has_model(mlflow, run_id, classifier.exported_epoch):
         print(f"MLflow run {run_id} already holds this model; not logging it again", flush=True)
         return
-    info = mlflow.pyfunc.log_model(
-        name="model", python_model=MlflowImageClassifier(), artifacts={"weights": str(model_path)},
-        # no input schema: N x H x W and N x C x H x W, integers or [0, 1] floats are all accepted
-        signature=mlflow.models.ModelSignature(outputs=prediction_schema()), input_example=input_example,
-        # ddpipe itself, and a network of the user's (model.name module:Class) with its file or package
-        code_paths=[str(Path(__file__).parent), *code_paths(cfg.model.name)],
-        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
-                          f"torchvision=={_torchvision_version()}", "omegaconf", "numpy", "pandas"],
-        metadata={"classes": classifier.classes, "image_size": list(classifier.image_size),
-                  "num_channels": classifier.num_channels, "exported_epoch": classifier.exported_epoch,
-                  "input": "uint8 pixels (N x H x W or N x C x H x W) or floats in [0, 1]",
-                  "output": "label, class_index, probability, probabilities (class order)"},
-        registered_model_name=cfg.mlflow.registered_model_name,
-    )
+    with tempfile.TemporaryDirectory() as tmp:
+        code = Path(tmp) / MODEL_CODE_FILE
+        code.write_text(MODEL_CODE)
+        info = _log_pyfunc(mlflow, code, model_path, input_example, cfg, classifier)
     mlflow.set_tag("ddpipe.logged_model_epoch", str(classifier.exported_epoch))
     if cfg.mlflow.registered_model_name and info.registered_model_version:
         from ddpipe.runstore import git_tags  # not at the top: the served model ships this module, not the store's
@@ -193,6 +199,26 @@ def log_model(mlflow: Any, run_id: str, model_path: Path, input_example: Any, cf
                            "git_commit": git_tags()["git_commit"], "run_id": run_id}.items():
             client.set_model_version_tag(cfg.mlflow.registered_model_name, str(info.registered_model_version),
                                          key, value)
+
+
+def _log_pyfunc(mlflow: Any, code: Path, model_path: Path, input_example: Any, cfg: Config,
+                classifier: ImageClassifier) -> Any:
+    """``mlflow.pyfunc.log_model`` of the model defined by the file ``code`` (:data:`MODEL_CODE`); its ModelInfo."""
+    return mlflow.pyfunc.log_model(
+        name="model", python_model=str(code), artifacts={"weights": str(model_path)},
+        # no input schema: N x H x W and N x C x H x W, integers or [0, 1] floats are all accepted
+        signature=mlflow.models.ModelSignature(outputs=prediction_schema()), input_example=input_example,
+        # ddpipe itself (which MODEL_CODE imports), and a network of the user's (model.name module:Class) with its
+        # file or package
+        code_paths=[str(Path(__file__).parent), *code_paths(cfg.model.name)],
+        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
+                          f"torchvision=={_torchvision_version()}", "omegaconf", "numpy", "pandas"],
+        metadata={"classes": classifier.classes, "image_size": list(classifier.image_size),
+                  "num_channels": classifier.num_channels, "exported_epoch": classifier.exported_epoch,
+                  "input": "uint8 pixels (N x H x W or N x C x H x W) or floats in [0, 1]",
+                  "output": "label, class_index, probability, probabilities (class order)"},
+        registered_model_name=cfg.mlflow.registered_model_name,
+    )
 
 
 def _has_model(mlflow: Any, run_id: str, exported_epoch: Any) -> bool:

@@ -132,7 +132,12 @@ class Journal:
             except BlockingIOError:
                 yield False
                 return
-            yield True
+            try:
+                yield True
+            finally:
+                # released explicitly: a DataLoader worker forked meanwhile holds a copy of the descriptor, and
+                # closing ours alone would leave the lock held by that copy for the worker's lifetime
+                fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
 

@@ -13,8 +13,8 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +27,12 @@ HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RET
 
 
 def bound_http_requests() -> None:
-    """Set :data:`HTTP_BOUNDS` where the environment does not (before the first request to a tracking server)."""
+    """Set :data:`HTTP_BOUNDS` where the environment does not (before the first request to a tracking server); where
+    stderr is not a terminal (a log file), also MLflow's artifact progress bars off (carriage returns in a log)."""
     for key, value in HTTP_BOUNDS.items():
         os.environ.setdefault(key, value)
+    if not sys.stderr.isatty():
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 
 def repo_root() -> Path:
@@ -155,10 +158,3 @@ def dvc_hash(directory: str | Path) -> str:
     with tempfile.TemporaryDirectory() as scratch:
         _, _, obj = build(LocalHashFileDB(fs, scratch), str(directory), fs, "md5", dry_run=True)
     return obj.hash_info.value
-
-
-def metric(key: str, value: float, step: int | None) -> Any:
-    """One MLflow metric value stamped now."""
-    from mlflow.entities import Metric
-
-    return Metric(key, float(value), int(time.time() * 1000), step or 0)

@@ -1,8 +1,11 @@
 """The MLflow run of a training, on global rank 0, and a do-nothing tracker on every other rank.
 
 One training is one MLflow run at any world size. The training loop calls the tracker unconditionally.
-Tracking never kills or hangs training: every call is bounded (short HTTP timeouts, few retries), and after
-the first failure the tracker warns once and turns itself off. It records; it writes none of the train
+Tracking never kills, hangs or slows training: every record goes first to the run's outbox on disk and a courier
+thread delivers it in order (``ddpipe.outbox``), so a store that is down or slow delays records and loses none;
+only the run's creation is asked of the store at once, bounded by short HTTP timeouts (a store that does not
+answer then gets a pending key and the run is created later). A store that refuses for good (an invalid
+experiment) turns tracking off with one warning. It records; it writes none of the train
 stage's outputs (``ddpipe.outputs`` does), and the other ranks learn its run id from the trainer, through
 ``ddpipe.distributed``.
 

@@ -14,10 +14,11 @@ when it came as a JPEG and as PNG (lossless) otherwise, downscaled first when it
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
 GREY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
@@ -28,7 +29,8 @@ PNG_LEVEL = 3
 
 
 class BadImage(Exception):
-    """A file with an image suffix that cannot be decoded: the message names it and says why."""
+    """A file with an image suffix that cannot be decoded: the message names it and says in words what is wrong
+    (empty, not an image, truncated, damaged, too many pixels)."""
 
 
 def is_image_name(name: str) -> bool:
@@ -39,7 +41,42 @@ def _open(path: str | Path, data: bytes) -> Image.Image:
     try:
         return Image.open(io.BytesIO(data))
     except Exception as exc:  # UnidentifiedImageError, DecompressionBombError, struct errors...
-        raise BadImage(f"{path}: cannot be decoded as an image ({type(exc).__name__}: {exc})") from None
+        raise BadImage(f"{path}: cannot be decoded as an image: {_why(data, exc)}") from None
+
+
+# The first bytes of the formats in IMAGE_SUFFIXES: a file that starts so is a damaged image, not another kind of file
+SIGNATURES = {b"\x89PNG\r\n\x1a\n": "PNG", b"\xff\xd8\xff": "JPEG", b"GIF87a": "GIF", b"GIF89a": "GIF",
+              b"BM": "BMP", b"II*\x00": "TIFF", b"MM\x00*": "TIFF"}
+
+
+def _format(data: bytes) -> str | None:
+    """The image format ``data`` starts as, by its signature; None for none."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WebP"
+    return next((name for magic, name in SIGNATURES.items() if data.startswith(magic)), None)
+
+
+def _why(data: bytes, exc: Exception) -> str:
+    """What is wrong with a file that PIL could not open or decode, in words (PIL's own messages name a BytesIO)."""
+    if not data:
+        return "the file is empty (0 bytes)"
+    if isinstance(exc, Image.DecompressionBombError):
+        found = re.search(r"\((\d+) pixels\)", str(exc))
+        pixels = f"{int(found.group(1)):,} pixels" if found else "its size"
+        return (f"too many pixels ({pixels}; PIL decodes at most {2 * (Image.MAX_IMAGE_PIXELS or 0):,}, its guard "
+                "against decompression bombs)")
+    kind = _format(data)
+    if "truncated" in str(exc).lower():
+        return f"truncated: the {kind or 'image'} data ends before the image does ({len(data):,} bytes)"
+    if kind is None:
+        head = data[:512]
+        if all(b >= 32 or b in b"\t\n\r\f" for b in head):  # no control bytes: text (any UTF-8 too)
+            return f"not an image but text ({len(data):,} bytes, starting {head[:32].decode('utf-8', 'replace')!r})"
+        return f"not an image: its first bytes match no image format ({len(data):,} bytes, starting {data[:8]!r})"
+    if isinstance(exc, UnidentifiedImageError):
+        return f"a damaged {kind} file: its header is cut short or corrupt ({len(data):,} bytes)"
+    detail = re.sub(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>", "", str(exc))  # never an object's repr
+    return f"a damaged {kind} file: its image data cannot be decoded ({detail or type(exc).__name__})"
 
 
 def _orientation(im: Image.Image) -> int:
@@ -49,11 +86,11 @@ def _orientation(im: Image.Image) -> int:
         return 1
 
 
-def _load(path: str | Path, im: Image.Image) -> None:
+def _load(path: str | Path, data: bytes, im: Image.Image) -> None:
     try:
         im.load()
     except Exception as exc:  # truncated data, bad CRC, unsupported compression
-        raise BadImage(f"{path}: cannot be decoded as an image ({type(exc).__name__}: {exc})") from None
+        raise BadImage(f"{path}: cannot be decoded as an image: {_why(data, exc)}") from None
 
 
 def probe(path: str | Path) -> tuple[int, int, bool, np.ndarray]:
@@ -66,7 +103,7 @@ def probe(path: str | Path) -> tuple[int, int, bool, np.ndarray]:
     w, h = im.size
     grey = im.mode in GREY_MODES
     turned = _orientation(im) in (5, 6, 7, 8)
-    _load(path, im)
+    _load(path, data, im)
     sums = image_sums(_as_stored_mode(im, grey))
     return (h, w, grey, np.repeat(sums, 3, axis=1) if grey else sums) if turned else \
         (w, h, grey, np.repeat(sums, 3, axis=1) if grey else sums)
@@ -107,10 +144,11 @@ def _as_is(im: Image.Image, grey: bool, max_side: int | None) -> bool:
 
 def decode(path: str | Path, grey: bool, max_side: int | None = None) -> Image.Image:
     """The file decoded as it will be stored: upright, 8-bit L or RGB, its longer side at most ``max_side``."""
-    im = _open(path, Path(path).read_bytes())
+    data = Path(path).read_bytes()
+    im = _open(path, data)
     if im.format == "JPEG" and max_side is not None and max(im.size) > max_side:
         im.draft(im.mode, _fit(im.size, max_side))  # decode at the smallest 1/2^k scale still >= the target
-    _load(path, im)
+    _load(path, data, im)
     im = _as_stored_mode(ImageOps.exif_transpose(im), grey)
     if max_side is not None and max(im.size) > max_side:
         im = im.resize(_fit(im.size, max_side), Image.Resampling.LANCZOS, reducing_gap=3.0)

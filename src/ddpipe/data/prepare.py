@@ -62,6 +62,10 @@ def _say(message: str) -> None:
     print(f"prepare: {message}", flush=True)
 
 
+def _warn(message: str) -> None:
+    print(f"prepare: warning: {message}", file=sys.stderr, flush=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # Official datasets: arrays of one small size
 
@@ -117,6 +121,8 @@ def _prepare_folder(cfg: DataConfig, seed: int, staging: Path, workers: int) -> 
     positions, labels = relabel(table.labels, kept)
     _say(f"{len(table)} images in {len(table.classes)} class folders of {table.root} ({table.not_images} other "
          f"files skipped); keeping {len(kept)} classes: {len(positions)} images; {workers} worker process(es)")
+    for sentence in table.left_out():
+        _warn(sentence)
     ctx = multiprocessing.get_context("spawn")  # workers import only ddpipe.data.images: no copy of this process
     with ctx.Pool(workers) as pool:
         probed, bad = _probe(pool, workers, table, positions, cfg.skip_bad_images, staging / ".probed.npy")
@@ -143,6 +149,7 @@ def _prepare_folder(cfg: DataConfig, seed: int, staging: Path, workers: int) -> 
         max_side=None if encoding == "raw" else cfg.max_side, mean=mean, std=std,
         sizes={k: int(len(v)) for k, v in splits.items()},
         source={"source_dir": str(table.root), "images": int(len(good)), "not_images": table.not_images,
+                "root_images": table.root_images, "empty_folders": [name for name, _ in table.empty_folders],
                 "skipped_undecodable": [msg for _, msg in bad]},
     )
 
@@ -169,7 +176,7 @@ def _probe(pool: Any, workers: int, table: FileTable, positions: np.ndarray, ski
                     raise DataSourceError(f"{r}. Nothing was written; fix or remove the file, or set "
                                           "data.skip_bad_images=true to leave such files out (they are listed)")
                 bad.append((i, r))
-                print(f"prepare: warning: skipped {r}", file=sys.stderr, flush=True)
+                _warn(f"skipped {r}")
             else:
                 w, h, grey, sums = r
                 probed[i, :3] = (w, h, grey)
