@@ -190,7 +190,7 @@ class Courier:
     def _loop(self) -> None:
         if self.others:
             with contextlib.suppress(Exception):  # best effort: what fails waits for the next stage
-                deliver_all(self.journal.dir.parent, skip=self.journal)
+                deliver_all(self.journal.dir.parent, skip=self.journal, wait=False)
         backoff = 1.0
         while not self._stop.is_set():
             self._wake.wait(timeout=None if self._down_since is None else backoff)
@@ -227,8 +227,8 @@ class Courier:
             time.sleep(pause)
             result = self._attempt(wait=True)
         if self.others and result.error is None:  # what was added to other runs meanwhile (a killed run's close)
-            with contextlib.suppress(Exception):
-                deliver_all(self.journal.dir.parent, skip=self.journal)
+            with contextlib.suppress(Exception):  # only to this store, which answers, never waiting for a lock
+                deliver_all(self.journal.dir.parent, skip=self.journal, wait=False, only_uri=self.journal.uri)
         if result.waiting:
             self.say(f"MLflow: {result.waiting} record(s) of run {self.journal.key} wait in {self.journal.dir}: the "
                      f"store at {redact(self.journal.uri)} did not answer ({describe(result.error)}). The next "
@@ -258,16 +258,20 @@ def journals(root: Path) -> list[Journal]:
     return sorted(found, key=lambda j: (j.name != "main", j.key))
 
 
-def deliver_all(root: Path, uri: str | None = None, skip: Journal | None = None) -> tuple[int, int]:
-    """Deliver every journal under ``root`` but ``skip`` (to ``uri`` where given, else each journal's own store):
-    (sent, still waiting). A journal the store has whole is removed, unless a live process still writes it."""
+def deliver_all(root: Path, uri: str | None = None, skip: Journal | None = None, wait: bool = True,
+                only_uri: str | None = None) -> tuple[int, int]:
+    """Deliver every journal under ``root`` but ``skip`` (to ``uri`` where given, else each journal's own store;
+    ``only_uri``: only the journals of that store; ``wait``: for a journal another process is delivering): (sent,
+    still waiting). A journal the store has whole is removed, unless a live process still writes it."""
     sent = waiting = 0
     for journal in journals(root):
         if skip is not None and (journal.key, journal.name) == (skip.key, skip.name):
             continue
+        if only_uri is not None and journal.uri != redact(only_uri):
+            continue
         if uri:
             journal.uri = uri
-        result = journal.deliver(wait=True)
+        result = journal.deliver(wait=wait)
         sent, waiting = sent + result.sent, waiting + result.waiting
         if not result.waiting and not journal.written_by_live_process():
             finished(journal)

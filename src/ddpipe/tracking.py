@@ -207,7 +207,7 @@ class MlflowTracker(NullTracker):
                 continue
             if marker.get("host") == socket.gethostname() and alive(int(marker.get("pid", 0))):
                 continue  # a live training writing into the same directory: not ours to close
-            orphan = Journal(outbox_root(self.cfg.outbox), marker["run_id"], self.uri)
+            orphan = Journal(outbox_root(self.cfg.outbox), marker["run_id"], self.uri, owner=False)
             orphan.append("close_orphan", time=int(time.time() * 1000), reason=(
                 "its process was killed (SIGKILL, out of memory or a lost node) and the next "
                 f"attempt (run {self.run_id or 'new'}) did not resume it: it started fresh"))
