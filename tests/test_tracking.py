@@ -189,6 +189,21 @@ def test_records_wait_in_the_outbox_when_the_store_does_not_answer(monkeypatch: 
     tracker.courier.close(timeout_s=1)
 
 
+def test_a_store_that_cannot_be_opened_never_takes_training_down(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    """A sqlite file that is no database (a half-written one, say): the run waits in the outbox, nothing raises."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "broken.db").write_bytes(b"not a database" * 100)
+    cfg = MlflowConfig(tracking_uri=f"sqlite:///{tmp_path}/broken.db", outbox=str(tmp_path / "outbox"))
+    tracker = MlflowTracker(cfg, DistInfo())
+    key = tracker.start(Config(), {"seed": 1}, None, tmp_path)
+    tracker.log_metrics({"x": 1.0}, step=1)
+    tracker.finish()  # the last delivery fails, is said, and returns
+    assert key.startswith("pending-") and (tmp_path / "outbox" / key / "main.jsonl").is_file()
+    ops = [json.loads(line)["op"] for line in (tmp_path / "outbox" / key / "main.jsonl").read_text().splitlines()]
+    assert ops[0] == "create" and ops[-1] == "end"
+
+
 def test_a_store_that_refuses_for_good_turns_tracking_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE

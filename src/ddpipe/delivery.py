@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+_STORE_LOCK = threading.Lock()
 # MLflow's REST limits per log_batch request
 MAX_METRICS, MAX_PARAMS = 1000, 100
 # The store's answers that mean "not now" rather than "never": the records wait for it.
@@ -45,9 +47,13 @@ def send(journal: Any) -> Delivery:
     """Send ``journal``'s waiting records in order until one fails transiently (the caller holds its lock)."""
     import mlflow
 
-    mlflow.set_tracking_uri(journal.uri)
-    client = mlflow.MlflowClient(journal.uri)
     records = journal.waiting()
+    try:
+        with _STORE_LOCK:  # one thread of a process at a time opens (and on first use migrates) a sqlite store
+            mlflow.set_tracking_uri(journal.uri)
+            client = mlflow.MlflowClient(journal.uri)
+    except Exception as exc:  # a store that cannot be opened now (a file being migrated, a driver error): wait
+        return Delivery(0, len(records), exc)
     sent, i = 0, 0
     while i < len(records):
         j = _batch_end(records, i)

@@ -105,6 +105,11 @@ class Journal:
         path = self.dir / "run_id"
         return path.read_text().strip() if path.is_file() else None
 
+    def resolvable(self) -> bool:
+        """Whether this run's id is known or will be: a real key, a pending key already created, or one whose
+        creation still waits here (not a pending key whose journal was deleted)."""
+        return self.run_id is not None or any(r["op"] == "create" for _, r in self.waiting())
+
     def sent_offset(self) -> int:
         return int(self._sent.read_text()) if self._sent.is_file() else 0
 
@@ -201,7 +206,10 @@ class Courier:
             backoff = 1.0 if self._down_since is None else min(30.0, backoff * 2)
 
     def _attempt(self, wait: bool = False) -> Delivery:
-        result = self.journal.deliver(wait)
+        try:
+            result = self.journal.deliver(wait)
+        except Exception as exc:  # whatever the store or the disk says, tracking never takes training down
+            result = Delivery(0, len(self.journal.waiting()), exc)
         if result.error is not None and self._down_since is None:
             self._down_since = time.monotonic()
             self.say(f"MLflow: the store at {redact(self.journal.uri)} does not answer ({describe(result.error)}); "

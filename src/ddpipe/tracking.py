@@ -33,7 +33,7 @@ from ddpipe.data.store import load_meta
 from ddpipe.delivery import is_transient
 from ddpipe.distributed import DistInfo
 from ddpipe.fsutil import atomic_write_json
-from ddpipe.outbox import Courier, Journal, describe, new_key, outbox_root
+from ddpipe.outbox import Courier, Journal, describe, finished, new_key, outbox_root
 from ddpipe.preemption import Preempted
 from ddpipe.procs import alive
 from ddpipe.runstore import (
@@ -119,6 +119,12 @@ class MlflowTracker(NullTracker):
         """Reopen ``resume_run_id`` (a resumed checkpoint's run) or start a new run with ``params`` (nested under
         the sweep's parent when ``mlflow.sweep`` is set); close runs that killed attempts left RUNNING. The
         run's key: its id, or a pending key when the store did not answer (the run is created when it does)."""
+        gone = resume_run_id and Journal(outbox_root(self.cfg.outbox), resume_run_id, self.uri, owner=False)
+        if gone and not gone.resolvable():
+            finished(gone)
+            print(f"MLflow: the checkpoint's run {resume_run_id} was never created in the store and its records are "
+                  f"gone from {outbox_root(self.cfg.outbox)}; this attempt starts a new run", flush=True)
+            resume_run_id = None
         if resume_run_id:
             self._open(resume_run_id)
             self._append("reopen", attempt=0)
