@@ -204,6 +204,28 @@ def test_a_store_that_cannot_be_opened_never_takes_training_down(monkeypatch: py
     assert ops[0] == "create" and ops[-1] == "end"
 
 
+def test_a_journal_sent_twice_stores_each_record_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A crash between a delivery and the note of its offset sends the same lines again: nothing is doubled."""
+    from ddpipe.outbox import Journal
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = _client(uri)
+    run_id = client.create_run(client.create_experiment("resend")).info.run_id
+    journal = Journal(tmp_path / "outbox", run_id, uri)
+    journal.append("params", params={"seed": 1})
+    for epoch in (1, 2, 3):
+        journal.append("metrics", metrics=[["val_accuracy", 0.5 + epoch / 10, 1_700_000_000_000 + epoch, epoch]])
+    journal.append("end", status="FINISHED", reason="completed", time=1_700_000_009_000)
+    assert journal.deliver(wait=True).sent == 5
+    journal.mark_sent(0)  # as if the delivery's offset had never been written
+    assert journal.deliver(wait=True).sent == 5
+    history = client.get_metric_history(run_id, "val_accuracy")
+    assert sorted(m.step for m in history) == [1, 2, 3]
+    run_ = client.get_run(run_id)
+    assert run_.data.params == {"seed": "1"} and run_.info.status == "FINISHED"
+
+
 def test_a_store_that_refuses_for_good_turns_tracking_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
