@@ -38,6 +38,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ddpipe.procs import alive
+from ddpipe.runstore import redact
+
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 PERMISSIONS = ("READ", "EDIT", "MANAGE", "NO_PERMISSIONS")
 
@@ -168,7 +171,7 @@ def start(args: argparse.Namespace) -> None:
     password = admin_password(args)
     url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     pid_file = directory / "mlflow-server.pid"
-    if pid_file.is_file() and _alive(int(pid_file.read_text())):
+    if pid_file.is_file() and alive(int(pid_file.read_text())):
         raise ServerError(f"a tracking server from {directory} is already running (pid {pid_file.read_text().strip()}, "
                           f"{url}); stop it first: python deploy/tracking_server.py stop --dir {directory}")
     if args.backend_store_uri:
@@ -197,23 +200,10 @@ def start(args: argparse.Namespace) -> None:
             raise ServerError(f"mlflow server did not come up at {url}; the end of its log "
                               f"({directory / 'mlflow-server.log'}):\n{tail}")
         time.sleep(0.5)
-    print(f"MLflow tracking server at {url} (pid {proc.pid}): runs in {_redact(backend)}, artifacts in {artifacts} "
-          f"(through the server), users in {_redact(auth_db)}; log {directory / 'mlflow-server.log'}\n"
+    print(f"MLflow tracking server at {url} (pid {proc.pid}): runs in {redact(backend)}, artifacts in {artifacts} "
+          f"(through the server), users in {redact(auth_db)}; log {directory / 'mlflow-server.log'}\n"
           f"clients: export MLFLOW_TRACKING_URI={url} MLFLOW_TRACKING_USERNAME=<user> MLFLOW_TRACKING_PASSWORD=<pw>",
           flush=True)
-
-
-def _redact(uri: str) -> str:
-    head, sep, tail = uri.partition("://")
-    return f"{head}{sep}{tail.split('@', 1)[1]}" if sep and "@" in tail.split("/", 1)[0] else uri
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True
 
 
 def stop(args: argparse.Namespace) -> None:
@@ -221,10 +211,10 @@ def stop(args: argparse.Namespace) -> None:
     pid_file = directory / "mlflow-server.pid"
     if pid_file.is_file():
         pid = int(pid_file.read_text())
-        if _alive(pid):
+        if alive(pid):
             os.killpg(pid, signal.SIGTERM)
             for _ in range(100):
-                if not _alive(pid):
+                if not alive(pid):
                     break
                 time.sleep(0.1)
             else:
@@ -238,7 +228,7 @@ def stop(args: argparse.Namespace) -> None:
 def status(args: argparse.Namespace) -> None:
     directory = Path(args.dir).resolve()
     pid_file = directory / "mlflow-server.pid"
-    running = pid_file.is_file() and _alive(int(pid_file.read_text()))
+    running = pid_file.is_file() and alive(int(pid_file.read_text()))
     print(f"mlflow server: {'running, pid ' + pid_file.read_text().strip() if running else 'not running'}")
     if (directory / "postgres" / "PG_VERSION").is_file():
         pg = subprocess.run(_as_owner([_pg_bin("pg_ctl"), "-D", str(directory / "postgres"), "status"]),

@@ -23,23 +23,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import shutil
-import socket
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ddpipe.delivery import Delivery, send
 from ddpipe.fsutil import atomic_write_json, atomic_write_text
-from ddpipe.procs import alive
+from ddpipe.procs import alive_here, host_lock, this_process
 from ddpipe.runstore import redact, repo_root
 
 PENDING = "pending-"
@@ -67,14 +64,13 @@ class Journal:
         if not (self.dir / "store.json").is_file():
             atomic_write_json(self.dir / "store.json", {"tracking_uri": redact(uri)})
         if owner:  # this process writes the journal: nobody else removes it while it lives
-            atomic_write_json(self.dir / f"{name}.owner", {"host": socket.gethostname(), "pid": os.getpid()})
+            atomic_write_json(self.dir / f"{name}.owner", this_process())
 
     def written_by_live_process(self) -> bool:
         try:
-            owner = json.loads((self.dir / f"{self.name}.owner").read_text())
+            return alive_here(json.loads((self.dir / f"{self.name}.owner").read_text()))
         except (OSError, ValueError):
             return False
-        return owner.get("host") == socket.gethostname() and alive(int(owner.get("pid", 0)))
 
     # -- writing ------------------------------------------------------------------------------------
 
@@ -117,38 +113,20 @@ class Journal:
         """(end offset, record) of each complete line not yet delivered, in order."""
         if not self.path.is_file():
             return []
+        start = self.sent_offset()
         with open(self.path, "rb") as f:
-            f.seek(self.sent_offset())
-            data, start = f.read(), self.sent_offset()
+            f.seek(start)
+            data = f.read()
         out, pos = [], 0
         while (nl := data.find(b"\n", pos)) != -1:
             out.append((start + nl + 1, json.loads(data[pos:nl])))
             pos = nl + 1
         return out
 
-    @contextmanager
-    def delivering(self, wait: bool) -> Iterator[bool]:
-        """This journal's delivery lock across processes (a courier and ``deliver`` never send one line twice
-        at once); yields whether it was taken (``wait``: block for it)."""
-        fd = os.open(self.dir / f"{self.name}.lock", os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-            except BlockingIOError:
-                yield False
-                return
-            try:
-                yield True
-            finally:
-                # released explicitly: a DataLoader worker forked meanwhile holds a copy of the descriptor, and
-                # closing ours alone would leave the lock held by that copy for the worker's lifetime
-                fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
-
     def deliver(self, wait: bool = False) -> Delivery:
         """Send every waiting record in order, until the store stops answering."""
-        with self.delivering(wait) as mine:
+        # a courier and `deliver` never send one line twice at once
+        with host_lock(self.dir / f"{self.name}.lock", wait) as mine:
             if not mine:
                 return Delivery(0, len(self.waiting()), None)
             return send(self)

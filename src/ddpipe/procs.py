@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,13 +42,29 @@ def alive(pid: int, started: str | None = None) -> bool:
     return True
 
 
+def this_process() -> dict[str, str | int]:
+    """This process as a marker file records it: host and pid (see :func:`alive_here`)."""
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def alive_here(marker: dict) -> bool:
+    """Whether the process a marker names (:func:`this_process`) runs on this host."""
+    return marker.get("host") == socket.gethostname() and alive(int(marker.get("pid", 0)))
+
+
 @contextlib.contextmanager
-def host_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``path`` (created if missing) across every process on this host."""
+def host_lock(path: Path, wait: bool = True) -> Iterator[bool]:
+    """Hold an exclusive lock on ``path`` (created if missing) across every process on this host; yields whether
+    it was taken (``wait=False``: not when another process holds it). Released explicitly, not by closing: a
+    process forked meanwhile (a DataLoader worker) holds a copy of the descriptor, which would keep it held."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            yield
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)

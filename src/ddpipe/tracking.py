@@ -35,7 +35,7 @@ from ddpipe.distributed import DistInfo
 from ddpipe.fsutil import atomic_write_json
 from ddpipe.outbox import Courier, Journal, describe, finished, new_key, outbox_root
 from ddpipe.preemption import Preempted
-from ddpipe.procs import alive
+from ddpipe.procs import alive_here, this_process
 from ddpipe.runstore import (
     bound_http_requests,
     dvc_hash,
@@ -196,8 +196,7 @@ class MlflowTracker(NullTracker):
 
     def _write_marker(self, markers: Path, run_id: str) -> None:
         self.marker = Path(markers) / f"mlflow-run-{run_id}.json"
-        atomic_write_json(self.marker, {"run_id": run_id, "tracking_uri": redact(self.uri),
-                                        "host": socket.gethostname(), "pid": os.getpid()})
+        atomic_write_json(self.marker, {"run_id": run_id, "tracking_uri": redact(self.uri), **this_process()})
 
     def _close_orphans(self, markers: Path, keep: str | None) -> None:
         """FAILED, with the reason, for each run a killed attempt left RUNNING (other than ``keep``): a record after
@@ -211,7 +210,7 @@ class MlflowTracker(NullTracker):
             if marker["run_id"] == keep:
                 path.unlink(missing_ok=True)  # reopened, with a marker of its own
                 continue
-            if marker.get("host") == socket.gethostname() and alive(int(marker.get("pid", 0))):
+            if alive_here(marker):
                 continue  # a live training writing into the same directory: not ours to close
             orphan = Journal(outbox_root(self.cfg.outbox), marker["run_id"], self.uri, owner=False)
             orphan.append("close_orphan", time=int(time.time() * 1000), reason=(
