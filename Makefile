@@ -10,7 +10,7 @@ export PATH := $(BIN):$(PATH)
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
 .PHONY: setup data-package repro test test-fast test-slurm test-gpu lint bench clean-runs ui-deps slurm-deps \
-	server-deps tracking-server
+	server-deps ssh-deps tracking-server
 
 setup: $(VENV)/.installed data-package
 
@@ -53,6 +53,13 @@ server-deps:
 		(apt-get update -q && apt-get install -y -q postgresql) || echo "warning: could not install PostgreSQL"; \
 	else echo "note: PostgreSQL missing and apt-get unavailable (or not root); tests/test_server.py will skip"; fi
 
+# openssh-server, for the test that reproduces experiments from a real DVC SSH remote on 127.0.0.1 (tests/test_cluster.py).
+ssh-deps:
+	@if [ -x /usr/sbin/sshd ]; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -q && apt-get install -y -q openssh-server) || echo "warning: could not install openssh-server"; \
+	else echo "note: sshd missing and apt-get unavailable (or not root); the SSH remote test will skip"; fi
+
 # A team's tracking server on this host: PostgreSQL + mlflow server with users (deploy/README.md). The admin's
 # password comes from MLFLOW_AUTH_ADMIN_PASSWORD (or TRACKING_SERVER_ARGS=--admin-password-file FILE).
 TRACKING_SERVER_ARGS ?= --dir tracking-server --host 127.0.0.1 --port 5000
@@ -62,12 +69,12 @@ tracking-server: setup server-deps
 repro: setup
 	dvc repro
 
-test: setup ui-deps slurm-deps server-deps
+test: setup ui-deps slurm-deps server-deps ssh-deps
 	python -m pytest
 
 # The SLURM tests alone: a two-node cluster on this host runs, stops and requeues train.sbatch jobs.
 test-slurm: setup slurm-deps
-	python -m pytest -k slurm
+	python -m pytest -k "slurm or cluster"
 
 # The CUDA/NCCL paths (tests/test_gpu.py: autocast + GradScaler, channels_last, augmentation and pinned copies
 # on the GPU, torch's SyncBatchNorm, torch.compile, GPU -> CPU model loading, the launcher under NCCL): run on

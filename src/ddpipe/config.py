@@ -279,6 +279,47 @@ class MlflowConfig:
         "root); an unreachable server loses nothing: python -m ddpipe.outbox deliver.")
 
 
+TIME_LIMIT = re.compile(r"^(\d+-)?\d+(:\d\d){0,2}$")
+
+
+@dataclass
+class ClusterConfig:
+    """How ``python -m ddpipe.cluster submit`` sends DVC's queue to a scheduler (README, "Sweeps on a cluster").
+    Read from each queued experiment's own params, so one experiment may ask for more than another."""
+
+    scheduler: str = param("slurm", "Where queued experiments run: slurm (sbatch) or kubernetes (an Indexed Job "
+                           "per experiment, kubectl).", choices=("slurm", "kubernetes"))
+    partition: Optional[str] = param(None, "SLURM partition (--partition); null: the cluster's default.")
+    account: Optional[str] = param(None, "SLURM account (--account); null: the user's default.")
+    time_limit: str = param(
+        "04:00:00", "Wall-clock limit of each run of a job ([D-]HH:MM:SS or minutes); a requeued run gets it anew, "
+        "and 3 minutes before it the training checkpoints its step and the job requeues itself.",
+        words="[D-]HH:MM:SS, MM:SS or minutes")
+    gpus_per_node: int = param(0, "GPUs each node of a job asks for (0: a CPU job); distributed.nproc_per_node: "
+                               "auto starts one process per GPU.", ge=0)
+    cpus_per_node: Optional[int] = param(
+        None, "CPU cores each node of a job asks for; null: whole nodes (--exclusive).", ge=1)
+    mem: Optional[str] = param(None, "Memory per node (--mem, e.g. 64G); null: the partition's default.")
+    max_running: Optional[int] = param(
+        None, "At most this many experiments of one submission run at once (SLURM's array %N); null: no bound.", ge=1)
+    storage: str = param(
+        "shared", "shared: the jobs' workspaces and the DVC cache on a filesystem every node and this repository "
+        "share; remote: nodes share nothing, each job clones from cluster.git_remote, pulls its data from the DVC "
+        "remote and pushes its experiment back to both.", choices=("shared", "remote"))
+    workdir: Optional[str] = param(
+        None, "Where each job's workspace is made; null: <repo>/.dvc/tmp/cluster/work (shared), /tmp/ddpipe-cluster "
+        "on the node (remote).")
+    git_remote: str = param("origin", "storage: remote: the git remote (name or URL) the jobs clone from and push "
+                            "their experiments to.")
+    dvc_remote: Optional[str] = param(None, "storage: remote: the DVC remote for data and outputs; null: the "
+                                      "repository's default remote.")
+    image: str = param("registry.example.com/ddpipe:latest", "kubernetes: the container image the pods run "
+                       "(this repository's dependencies).")
+    namespace: str = param("default", "kubernetes: the namespace of the Jobs.")
+    volume_claim: str = param("ddpipe-workspace", "kubernetes: the PersistentVolumeClaim holding the repository, "
+                              "its venv and DVC cache (deploy/k8s/pvc.yaml), mounted at the repository's path.")
+
+
 @dataclass
 class PathsConfig:
     raw: str = param("data/raw", "Fetch stage output: verified copies of the dataset's files.")
@@ -309,6 +350,7 @@ class Config:
     # Where files go and how runs are tracked never change the weights: none of these keys shapes the trajectory.
     mlflow: MlflowConfig = field(default_factory=MlflowConfig, metadata={"trajectory": False})
     paths: PathsConfig = field(default_factory=PathsConfig, metadata={"trajectory": False})
+    cluster: ClusterConfig = field(default_factory=ClusterConfig, metadata={"trajectory": False})
 
 
 def _schema_fields(schema: type = Config, prefix: str = "") -> dict[str, dataclasses.Field]:
@@ -522,9 +564,12 @@ def validate(cfg: Config, set_in: dict[str, str] | None = None) -> None:
     if not (1 <= len(nnodes) <= 2 and all(n.isdigit() and int(n) >= 1 for n in nnodes)):
         raise _not_accepted("distributed.nnodes", dist.nnodes, "a positive integer N or MIN:MAX",
                             set_in.get("distributed.nnodes"))
-    if nnodes != ["1"] and ":" not in dist.rdzv_endpoint:
+    if nnodes != ["1"] and dist.rdzv_endpoint and ":" not in dist.rdzv_endpoint:
         raise ConfigError(f"distributed.rdzv_endpoint = {dist.rdzv_endpoint!r} is not accepted with "
                           f"distributed.nnodes = {dist.nnodes!r}; expected host:port of the first node")
+    if not TIME_LIMIT.match(cfg.cluster.time_limit):
+        raise _not_accepted("cluster.time_limit", cfg.cluster.time_limit, _accepted(_FIELDS["cluster.time_limit"]),
+                            set_in.get("cluster.time_limit"))
     if dist.exact and not dist.sync_batchnorm:
         raise ConfigError("distributed.sync_batchnorm = False is not accepted with distributed.exact = True "
                           "(exact mode normalises over the global batch); accepted: true")

@@ -89,6 +89,23 @@ def _torchrun_accepts(flag: str) -> bool:
     return flag.split("=")[0] in get_args_parser()._option_string_actions
 
 
+# Set by a ddpipe.cluster job for its train stage: "HOST:PORT RDZV_ID [LAUNCHER ...]", the rendezvous of the job's
+# nodes and, under SLURM, the srun that starts this launcher once on each of them (ddpipe.cluster.job)
+NODES_ENV = "DDPIPE_CLUSTER_NODES"
+
+
+def cluster_nodes(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Under a ddpipe.cluster job (:data:`NODES_ENV`): the rendezvous overrides of its nodes (before ``argv``: the
+    stage's own command line wins) and the command that starts this launcher on every node (empty where the
+    scheduler starts them itself, as a Kubernetes Indexed Job does). Elsewhere: ``argv`` and no command."""
+    spec = os.environ.get(NODES_ENV, "").split()
+    if not spec:
+        return list(argv), []
+    endpoint, rdzv_id, *launcher = spec
+    rdzv = [f"distributed.rdzv_endpoint={endpoint}", f"distributed.rdzv_id={rdzv_id}"]
+    return [*rdzv, *argv], [*launcher, sys.executable, "-m", "ddpipe.launch", *rdzv, *argv] if launcher else []
+
+
 # In the environment of the workers of a job this launcher checked (``preflight``): they skip those checks.
 CHECKED_ENV = "DDPIPE_LAUNCH_CHECKED"
 
@@ -188,14 +205,22 @@ def worker_config(cfg: Config, world_size: int) -> Resolved:
 def main(argv: list[str] | None = None) -> None:
     """Check, print the torchrun command, run it (``--print``: print only); exit with its code."""
     argv = sys.argv[1:] if argv is None else argv
-    overrides = [a for a in argv if a != "--print"]
+    overrides, on_every_node = cluster_nodes([a for a in argv if a != "--print"])
     cfg = load_or_exit(overrides, "-m ddpipe.launch")
     with user_errors(PreparedDataError):  # fail here, before any worker starts on any node
+        if cfg.distributed.nnodes != "1" and not cfg.distributed.rdzv_endpoint:
+            raise ConfigError(f"distributed.rdzv_endpoint = '' is not accepted with distributed.nnodes = "
+                              f"{cfg.distributed.nnodes!r}: every node needs host:port of the first node's rendezvous "
+                              "(deploy/ sets it; python -m ddpipe.cluster submit sets it for queued experiments)")
         job = resolve_job(cfg.distributed)
         preflight(cfg, job.max_world_size)
         if note := check_access(cfg.mlflow):  # a server that refuses this user: before anything is written
             print(note, file=sys.stderr, flush=True)
     env = {**os.environ, CHECKED_ENV: "1"}
+    if on_every_node and cfg.distributed.nnodes != "1" and "--print" not in argv:
+        # a cluster job's train stage runs on its first node: one launcher per node, each checks its own node
+        print(" ".join(on_every_node), flush=True)
+        _exit(run_forwarding_stops(on_every_node, {k: v for k, v in os.environ.items() if k != NODES_ENV}))
     if "--print" in argv or not torch.cuda.is_available() or cfg.distributed.nnodes != "1":
         cmd = torchrun_command(cfg.distributed, job.nproc_per_node, overrides)
         print(" ".join(cmd), flush=True)

@@ -36,7 +36,11 @@ def bound_http_requests() -> None:
 
 
 def repo_root() -> Path:
-    """``$DVC_ROOT`` under DVC, else the nearest directory upwards holding ``dvc.yaml``, else cwd."""
+    """``$DDPIPE_REPO_ROOT`` (the user's repository, set by a ddpipe.cluster job for the experiment it runs in a
+    workspace of its own), else ``$DVC_ROOT`` under DVC, else the nearest directory upwards holding ``dvc.yaml``,
+    else cwd."""
+    if os.environ.get("DDPIPE_REPO_ROOT"):
+        return Path(os.environ["DDPIPE_REPO_ROOT"]).resolve()
     if os.environ.get("DVC_ROOT"):
         return Path(os.environ["DVC_ROOT"]).resolve()
     here = Path.cwd().resolve()

@@ -48,6 +48,9 @@ from ddpipe.runstore import (
     tracking_uri,
 )
 
+# A run of an experiment that python -m ddpipe.cluster sent to a scheduler: its job and the log a person reads
+CLUSTER_TAGS = {"ddpipe.cluster.job": "DDPIPE_CLUSTER_JOB", "ddpipe.cluster.log": "DDPIPE_CLUSTER_LOG"}
+
 
 def end_reason(exc: BaseException) -> tuple[str, str]:
     """(MLflow status, the ``ddpipe.end_reason`` tag) for a training that ends by raising ``exc``."""
@@ -172,6 +175,7 @@ class MlflowTracker(NullTracker):
             **git_tags(),
             "dvc_exp_name": os.environ.get("DVC_EXP_NAME", ""),
             "dvc_exp_baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV", ""),
+            **{tag: os.environ[var] for tag, var in CLUSTER_TAGS.items() if os.environ.get(var)},
             "world_size": str(info.world_size), "num_nodes": str(info.num_nodes),
             "backend": info.backend or "none", "device_type": info.device.type,
             "device_name": device_name, "torch_version": torch.__version__,
