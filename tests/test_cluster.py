@@ -6,6 +6,7 @@ openssh-server on 127.0.0.1, dvc-ssh): a fresh clone pulls main's model and a pu
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ import yaml
 
 from ddpipe.cluster import kubernetes
 from ddpipe.launch import NODES_ENV, cluster_nodes
-from tests.conftest import GIT_ENV, VENV_BIN, free_port, run, same_weights, weights
+from tests.conftest import GIT_ENV, VENV_BIN, free_port, run, same_weights, subprocess_env, wait_for_url, weights
 from tests.slurm_cluster import SlurmCluster, unavailable
 
 CLUSTER = "python -m ddpipe.cluster".split()
@@ -77,8 +78,13 @@ def test_the_queue_is_refused_whole_when_one_experiment_is_wrong_and_left_as_it_
     no_sbatch = run(CLUSTER + ["submit"], cwd=repo, check=False, env={"PATH": f"{VENV_BIN}:{bare}"})
     assert no_sbatch.returncode == 2 and "sbatch" in no_sbatch.stderr and "not on PATH" in no_sbatch.stderr, \
         no_sbatch.stderr
-    elastic = run(CLUSTER + ["submit", "--dry-run", str(repo / "out"), "distributed.nnodes=1:2"], cwd=repo, check=False)
-    assert elastic.returncode == 2 and "fixed number of nodes" in elastic.stderr, elastic.stderr
+    queue(repo, "elastic", "distributed.nnodes=1:2")
+    elastic = run(CLUSTER + ["submit", "--dry-run", str(repo / "out")], cwd=repo, check=False)
+    assert elastic.returncode == 2 and "'elastic'" in elastic.stderr and "fixed number of nodes" in elastic.stderr, \
+        elastic.stderr
+    run(["dvc", "queue", "remove", "elastic"], cwd=repo)
+    params = run(CLUSTER + ["submit", "--dry-run", str(repo / "out"), "num_epochs=3"], cwd=repo, check=False)
+    assert params.returncode == 2 and "only cluster.* keys" in params.stderr, params.stderr
     remote = run(CLUSTER + ["submit", "--dry-run", str(repo / "out"), "--scheduler", "kubernetes", "--storage",
                             "remote"], cwd=repo, check=False)
     assert remote.returncode == 2 and "tracking server" in remote.stderr, remote.stderr
@@ -160,11 +166,12 @@ def test_a_queued_grid_runs_on_slurm_and_comes_back_as_dvc_experiments_and_one_m
     assert len({j.split("_")[0] for j in jobs.values()}) == 2  # one array of the alike five, one 2-node job
 
     # g1 requeued by the scheduler once its training checkpointed step 4 of epoch 1
-    ckpts = repo / ".dvc" / "tmp" / "cluster" / "work" / "g1" / "checkpoints"
+    work = repo / ".dvc" / "tmp" / "cluster" / "work"
     deadline = time.time() + 600
-    while not list(ckpts.glob("ckpt-*-e0000-s000004.pt")) and time.time() < deadline:
+    while not list(work.glob("*/g1/checkpoints/ckpt-*-e0000-s000004.pt")) and time.time() < deadline:
         time.sleep(0.01)
-    assert list(ckpts.glob("ckpt-*-e0000-s000004.pt")), (repo / ".dvc/tmp/cluster/logs/g1.log").read_text()[-3000:]
+    assert list(work.glob("*/g1/checkpoints/ckpt-*-e0000-s000004.pt")), \
+        (repo / ".dvc/tmp/cluster/logs/g1.log").read_text()[-3000:]
     cluster.scontrol("requeue", jobs["g1"])
 
     waited = run(CLUSTER + ["wait", "--poll", "2", "--timeout", "1500"], cwd=repo, env=env, check=False, timeout=1600)
@@ -289,3 +296,64 @@ def test_a_fresh_clone_reproduces_main_and_a_pushed_experiment_from_an_ssh_remot
     run(["dvc", "exp", "apply", "pushed"], cwd=other, env=env)
     run(["dvc", "pull"], cwd=other, env=env, timeout=600)
     assert (other / "models" / "model.pt").read_bytes() == pushed_model
+
+
+@pytest.fixture
+def tracking_server(tmp_path: Path):
+    """A plain `mlflow server` (sqlite behind it) on 127.0.0.1: what jobs on nodes that share nothing log to."""
+    port = free_port()
+    proc = subprocess.Popen(["mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--backend-store-uri",
+                             f"sqlite:///{tmp_path}/server.db", "--artifacts-destination", str(tmp_path / "art")],
+                            cwd=tmp_path, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_url(f"http://127.0.0.1:{port}/health", 120, proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.slow
+@slurm_only
+def test_nodes_that_share_nothing_clone_pull_and_push_through_the_git_and_dvc_remotes(
+        cluster: SlurmCluster, repro_clone: Path, ssh_remote: tuple, tracking_server: str, tmp_path: Path) -> None:
+    """cluster.storage=remote: the job's workspace and DVC cache are its own (node-local), its data comes from
+    the SSH remote, its experiment goes back through the git remote and the SSH remote; `wait` pulls it here."""
+    url, key, home = ssh_remote
+    repo = repro_clone
+    env = {"SLURM_CONF": str(cluster.conf), **GIT_ENV, "HOME": str(home), "MLFLOW_TRACKING_URI": tracking_server}
+    set_params(repo, SMALL)
+    run(["dvc", "remote", "add", "-d", "store", url], cwd=repo, env=env)
+    run(["dvc", "remote", "modify", "store", "keyfile", str(key)], cwd=repo, env=env)  # the nodes' credentials
+    run(["git", "commit", "-qam", "an ssh remote"], cwd=repo, env=env)
+    run(["dvc", "push"], cwd=repo, env=env, timeout=600)
+    origin = tmp_path / "origin.git"
+    run(["git", "clone", "-q", "--bare", str(repo), str(origin)], env=env)
+    run(["git", "remote", "add", "origin", str(origin)], cwd=repo, env=env)
+    queue(repo, "far", "train.base_lr=0.01")
+    nodes = tmp_path / "node-local"
+
+    run(CLUSTER + ["submit", "--storage", "remote", f"cluster.workdir={nodes}"], cwd=repo, env=env)
+    waited = run(CLUSTER + ["wait", "--poll", "2", "--timeout", "900"], cwd=repo, env=env, check=False, timeout=1000)
+    log = next(nodes.glob("*/far.log"), nodes / "far.log")
+    tail = log.read_text()[-4000:] if log.exists() else ""
+    assert waited.returncode == 0, f"{waited.stdout}\n{waited.stderr}\n{tail}"
+    text = log.read_text()
+    assert "dvc pull" in text and "dvc exp push" in text and "Running stage 'train'" in text, text[-3000:]
+    assert list(nodes.glob("*/far/.dvc/cache/files"))  # its own cache, filled from the SSH remote
+
+    ref = next(r for r in run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], cwd=repo).stdout.split()
+               if r.endswith("/far"))
+    run(["dvc", "exp", "apply", "far"], cwd=repo, env=env)
+    run(["dvc", "checkout"], cwd=repo, env=env)
+    assert "up to date" in run(["dvc", "status"], cwd=repo, env=env).stdout
+    lock = yaml.safe_load(run(["git", "show", f"{ref}:dvc.lock"], cwd=repo).stdout)
+    md5 = next(o["md5"] for o in lock["stages"]["train"]["outs"] if o["path"] == "models/model.pt")
+    assert hashlib.md5((repo / "models" / "model.pt").read_bytes()).hexdigest() == md5
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_server)
+    (r,) = client.search_runs([client.get_experiment_by_name("ddpipe").experiment_id],
+                              filter_string="tags.dvc_exp_name = 'far'")
+    assert r.info.status == "FINISHED" and r.data.tags["ddpipe.cluster.state"] == "succeeded"

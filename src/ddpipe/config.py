@@ -301,7 +301,8 @@ class ClusterConfig:
         None, "CPU cores each node of a job asks for; null: whole nodes (--exclusive).", ge=1)
     mem: Optional[str] = param(None, "Memory per node (--mem, e.g. 64G); null: the partition's default.")
     max_running: Optional[int] = param(
-        None, "At most this many experiments of one submission run at once (SLURM's array %N); null: no bound.", ge=1)
+        None, "At most this many experiments of one job array run at once (SLURM's %N; experiments that ask for the "
+        "same resources are one array); null: no bound.", ge=1)
     storage: str = param(
         "shared", "shared: the jobs' workspaces and the DVC cache on a filesystem every node and this repository "
         "share; remote: nodes share nothing, each job clones from cluster.git_remote, pulls its data from the DVC "
@@ -567,6 +568,11 @@ def validate(cfg: Config, set_in: dict[str, str] | None = None) -> None:
     if nnodes != ["1"] and dist.rdzv_endpoint and ":" not in dist.rdzv_endpoint:
         raise ConfigError(f"distributed.rdzv_endpoint = {dist.rdzv_endpoint!r} is not accepted with "
                           f"distributed.nnodes = {dist.nnodes!r}; expected host:port of the first node")
+    for key in ("partition", "account", "mem"):  # written into #SBATCH lines: one word each
+        value = getattr(cfg.cluster, key)
+        if value is not None and not re.match(r"^[A-Za-z0-9_.,:+-]+$", value):
+            raise _not_accepted(f"cluster.{key}", value, "null, or one word of letters, digits and _.,:+-",
+                                set_in.get(f"cluster.{key}"))
     if not TIME_LIMIT.match(cfg.cluster.time_limit):
         raise _not_accepted("cluster.time_limit", cfg.cluster.time_limit, _accepted(_FIELDS["cluster.time_limit"]),
                             set_in.get("cluster.time_limit"))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -98,7 +99,7 @@ def cluster_nodes(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """Under a ddpipe.cluster job (:data:`NODES_ENV`): the rendezvous overrides of its nodes (before ``argv``: the
     stage's own command line wins) and the command that starts this launcher on every node (empty where the
     scheduler starts them itself, as a Kubernetes Indexed Job does). Elsewhere: ``argv`` and no command."""
-    spec = os.environ.get(NODES_ENV, "").split()
+    spec = shlex.split(os.environ.get(NODES_ENV, ""))
     if not spec:
         return list(argv), []
     endpoint, rdzv_id, *launcher = spec

@@ -13,6 +13,7 @@ cannot give, a queued experiment whose params fail the checks) exits 2 with the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -63,6 +64,11 @@ def git_url(repo: Path, remote: str) -> str:
 
 def check(repo: Path, exps: list[Queued], dry_run: bool) -> None:
     """Every check of every experiment before anything is submitted."""
+    for e in exps:
+        if e.cfg.cluster.storage == "remote" and int(e.cfg.distributed.nnodes) > 1:
+            raise ClusterError(f"queued experiment {e.name!r}: distributed.nnodes = {e.cfg.distributed.nnodes} is not "
+                               "accepted with cluster.storage = 'remote': every node of a job reads the one workspace, "
+                               "which needs a filesystem they share; accepted: 1, or cluster.storage: shared")
     for name in sorted({e.cfg.cluster.scheduler for e in exps}):
         if not (dry_run and name == "kubernetes"):
             scheduler(name).available()
@@ -84,20 +90,24 @@ def check(repo: Path, exps: list[Queued], dry_run: bool) -> None:
                   "(a sqlite file there is not safe for pods on several nodes: a tracking server is)", file=sys.stderr)
 
 
-def entry(repo: Path, root: Path, e: Queued) -> dict:
+def entry(repo: Path, root: Path, e: Queued, submission: str) -> dict:
     c = e.cfg.cluster
     remote = c.storage == "remote"
-    workdir = Path(c.workdir or ("/tmp/ddpipe-cluster" if remote else root / "work"))
+    workdir = Path(c.workdir or ("/tmp/ddpipe-cluster" if remote else root / "work")) / submission
     return {"name": e.name, "stash_rev": e.stash_rev, "baseline_rev": e.baseline_rev, "pin": e.pin,
             "nnodes": int(e.cfg.distributed.nnodes), "workspace": str(workdir / e.name),
-            "log": str(root / "logs" / f"{e.name}.log") if not remote else f"{workdir / e.name}.log (on the node)",
+            "log": str((workdir if remote else root / "logs") / f"{e.name}.log"),  # remote: on the node that ran it
             "storage": c.storage, "git_remote": git_url(repo, c.git_remote) if remote else "",
-            "dvc_remote": c.dvc_remote or "", "tracking_uri": tracking_uri(e.cfg.mlflow) if (
+            # never a password in a file: the job's own environment (sbatch passes it on) carries credentials
+            "dvc_remote": c.dvc_remote or "", "tracking_uri": redact(tracking_uri(e.cfg.mlflow)) if (
                 remote or os.environ.get("MLFLOW_TRACKING_URI") or e.cfg.mlflow.tracking_uri) else "",
             "run_info": e.cfg.paths.run_info, "test_metrics": e.cfg.paths.test_metrics, "job": ""}
 
 
 def submit(repo: Path, overrides: list[str], dry_run: Path | None) -> list[records.Record]:
+    if wrong := [o for o in overrides if not o.startswith("cluster.")]:
+        raise ClusterError(f"{' '.join(wrong)}: only cluster.* keys are accepted here (the experiments run their own "
+                           "queued params; queue them with -S instead)")
     exps = queued(repo, overrides)
     check(repo, exps, dry_run is not None)
     root = records.state_dir(repo)
@@ -117,7 +127,7 @@ def submit(repo: Path, overrides: list[str], dry_run: Path | None) -> list[recor
     plans = []
     for g, ((sched, _, res), members) in enumerate(groups.items()):
         manifest = out / f"group-{g}.json"
-        m = {**base, "scheduler": sched, "experiments": [entry(repo, root, e) for e in members]}
+        m = {**base, "scheduler": sched, "experiments": [entry(repo, root, e, submission) for e in members]}
         if sched == "slurm":
             path = out / f"group-{g}.sbatch"
             path.write_text(slurm.script(res, len(members), submission, sys.executable, manifest, root / "logs"))
@@ -146,16 +156,18 @@ def submit(repo: Path, overrides: list[str], dry_run: Path | None) -> list[recor
                 jobs = slurm.submit(path, len(members))
             else:
                 kubernetes.submit(path, members[0].cfg.cluster.namespace)
-                jobs = [x["job"] for x in m["experiments"]]
+                jobs = [f"{members[0].cfg.cluster.namespace}/{x['job']}" for x in m["experiments"]]
             for job, x in zip(jobs, m["experiments"]):
+                records.archive(root, x["name"])
                 rec = records.Record(x["name"], submission, sched, job, x["log"], x["workspace"], x["storage"],
                                      x["git_remote"], x["dvc_remote"], x["stash_rev"], x["baseline_rev"], time.time(),
                                      x["test_metrics"])
                 rec.save(root)
                 submitted.append(rec)
-    except ClusterError:
+    except Exception:
         for rec in submitted:  # all or nothing: the queue stays as it was
-            scheduler(rec.scheduler).cancel([rec.job])
+            with contextlib.suppress(Exception):
+                scheduler(rec.scheduler).cancel([rec.job])
             (root / "experiments" / f"{rec.name}.json").unlink(missing_ok=True)
         raise
     pin_and_dequeue(repo, exps)
@@ -180,7 +192,7 @@ def collect(repo: Path, root: Path, rec: records.Record, state: str) -> None:
     and DVC remotes otherwise)."""
     if records.result(root, rec.name):
         return
-    if rec.storage == "remote" and state == "COMPLETED":
+    if rec.storage == "remote":  # its job's word is on the remotes: the experiment came back, or it did not
         remote = ["-r", rec.dvc_remote] if rec.dvc_remote else []
         pulled = subprocess.run(["dvc", "exp", "pull", *remote, rec.git_remote, rec.name], cwd=repo,
                                 capture_output=True, text=True)
@@ -188,9 +200,9 @@ def collect(repo: Path, root: Path, rec: records.Record, state: str) -> None:
             records.write_result(root, rec.name, "succeeded", code=0, log=rec.log, exp_ref=exp_ref(repo, rec.name))
             return
         records.write_result(root, rec.name, "failed", code=1, log=rec.log,
-                             reason=f"dvc exp pull: {pulled.stderr.strip()[-500:]}")
+                             reason=f"the job ended {state}; dvc exp pull: {pulled.stderr.strip()[-500:]}")
         return
-    records.write_result(root, rec.name, "failed", code=1, log=rec.log,
+    records.write_result(root, rec.name, "failed", keep=True, code=1, log=rec.log,
                          reason=f"the job ended {state} without the experiment's end (killed?)")
 
 
@@ -224,21 +236,34 @@ def pending(root: Path) -> list[records.Record]:
     return [r for r in records.records(root) if not records.result(root, r.name)]
 
 
+GRACE_SECONDS = 60  # a job SLURM calls ended, without its result file yet (a shared filesystem's delay)
+
+
 def wait(repo: Path, timeout: float, poll: float) -> int:
+    """Until every experiment that had not ended, and every one of the newest submission, has; 0 when they all
+    succeeded. A scheduler that does not answer is waited for, never taken for an end."""
     root = records.state_dir(repo)
-    recs = records.records(root)
-    if not recs:
+    every = records.records(root)
+    if not every:
         raise ClusterError(f"nothing was submitted from {repo} (python -m ddpipe.cluster submit)")
+    newest = every[-1].submission
+    recs = [r for r in every if r.submission == newest or not records.result(root, r.name)]
     deadline = time.time() + timeout
-    said = ""
+    said, ended_at = "", {}
     states: dict[str, str] = {}
-    while todo := pending(root):
-        states.update(live_states(todo))
+    while todo := [r for r in recs if not records.result(root, r.name)]:
+        try:
+            states.update(live_states(todo))
+        except ClusterError as exc:
+            print(f"{time.strftime('%H:%M:%S')} {exc}; asking again in {poll:.0f} s", file=sys.stderr, flush=True)
         for rec in todo:
-            if states[rec.name].split()[0] in ENDED:
-                collect(repo, root, rec, states[rec.name])
-        todo = pending(root)
-        line = ", ".join(f"{n} {s}" for s, n in _count(states[r.name] for r in todo).items())
+            state = states.get(rec.name, "UNKNOWN")
+            if state.split()[0] in ENDED:
+                ended_at.setdefault(rec.name, time.time())
+                if rec.storage == "remote" or time.time() - ended_at[rec.name] > GRACE_SECONDS:
+                    collect(repo, root, rec, state)
+        todo = [r for r in recs if not records.result(root, r.name)]
+        line = ", ".join(f"{n} {s}" for s, n in _count(states.get(r.name, "UNKNOWN") for r in todo).items())
         if line and line != said:
             print(f"{time.strftime('%H:%M:%S')} waiting for {len(todo)} experiment(s): {line}", flush=True)
             said = line
@@ -308,7 +333,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             root = records.state_dir(repo)
             recs = records.records(root)
-            print(table(repo, root, recs, live_states(recs)) if recs else f"nothing was submitted from {repo}")
+            if not recs:
+                print(f"nothing was submitted from {repo}")
+                return 0
+            try:
+                states = live_states(recs)
+            except ClusterError as exc:
+                print(f"note: {exc}; the scheduler's states are not shown", file=sys.stderr)
+                states = {}
+            print(table(repo, root, recs, states))
             return 0
         if args.command == "cancel":
             return cancel(repo, args.names)

@@ -20,6 +20,7 @@ log's path).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -70,7 +72,7 @@ def make_workspace(m: dict, e: dict, ws: Path) -> None:
             sh(["dvc", "checkout", "--quiet"], cwd=ws, check=False)  # what the cache has; the rest is computed
         else:
             remote = ["-r", e["dvc_remote"]] if e["dvc_remote"] else []
-            sh(["dvc", "pull", "--quiet", *remote, *m["pull_stages"]], cwd=ws, check=False)
+            sh(["dvc", "pull", "--quiet", "--allow-missing", *remote], cwd=ws, check=False)
         (ws / READY).write_text(json.dumps({"host": socket.gethostname(), "time": time.time()}))
 
 
@@ -80,7 +82,7 @@ def environment(m: dict, e: dict, ws: Path, sched) -> dict[str, str]:
     env = {**os.environ, "PATH": f"{Path(m['python']).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "PYTHONPATH": str(ws / "src"),  # the experiment's own library, not the installed checkout's
            "PYTHONUNBUFFERED": "1", "DDPIPE_CLUSTER_JOB": sched.job_id(), "DDPIPE_CLUSTER_LOG": e["log"]}
-    if e["tracking_uri"]:
+    if e["tracking_uri"] and not os.environ.get("MLFLOW_TRACKING_URI"):  # the job's own (with credentials) wins
         env["MLFLOW_TRACKING_URI"] = e["tracking_uri"]
     if e["storage"] == "shared":  # the outbox and default store of the user's repository, not of this workspace
         env["DDPIPE_REPO_ROOT"] = m["repo"]
@@ -89,26 +91,43 @@ def environment(m: dict, e: dict, ws: Path, sched) -> dict[str, str]:
     return env
 
 
-def run_experiment(ws: Path, name: str, env: dict, forward: tuple[signal.Signals, ...]) -> tuple[int, list[int]]:
+def run_experiment(ws: Path, name: str, env: dict, forward: tuple[signal.Signals, ...],
+                   warn_seconds: float) -> tuple[int, list[int]]:
     """``dvc exp run --name NAME`` in ``ws``; its exit code and the stop signals this driver received. ``dvc``
-    ignores stop signals (its children set their own): a stop ends the training, never DVC before it."""
+    ignores stop signals (its children set their own): a stop ends the training at a checkpointed step, never DVC
+    before it. A stage that ignores them (prepare, evaluate) is killed ``warn_seconds`` after SIGUSR1, before the
+    time limit would end the job without a requeue; the next run of the job runs it again."""
     stops: list[int] = []
+    child: subprocess.Popen | None = None
+
+    def kill_if_running() -> None:
+        if child is not None and child.poll() is None:
+            say(f"still running {warn_seconds:.0f} s after SIGUSR1 (a stage that does not checkpoint): stopped")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+
+    def on_stop(signum: int, frame: object) -> None:
+        stops.append(signum)
+        say(f"received {signal.Signals(signum).name}")
+        if child is not None and child.poll() is None and signum in forward:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signum)
+        if signum == signal.SIGUSR1:
+            timer = threading.Timer(warn_seconds, kill_if_running)
+            timer.daemon = True
+            timer.start()
 
     def ignore_stops() -> None:
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, signal.SIG_IGN)
 
+    for sig in (signal.SIGTERM, signal.SIGUSR1):  # from now on: a stop is recorded, never the driver's end
+        signal.signal(sig, on_stop)
     child = subprocess.Popen(["dvc", "exp", "run", "--name", name], cwd=ws, env=env, start_new_session=True,
                              preexec_fn=ignore_stops)
-
-    def on_stop(signum: int, frame: object) -> None:
-        stops.append(signum)
-        say(f"received {signal.Signals(signum).name}")
-        if signum in forward:
-            os.killpg(child.pid, signum)
-
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, on_stop)
+    if stops and forward:  # arrived while it was starting
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, stops[-1])
     return child.wait(), stops
 
 
@@ -126,7 +145,7 @@ def mlflow_run(ws: Path, e: dict) -> str | None:
         return None
 
 
-def mark_run(e: dict, run_id: str | None, state: str) -> None:
+def mark_run(m: dict, e: dict, run_id: str | None, state: str) -> None:
     """The experiment's end in its MLflow run: ``ddpipe.cluster.state``; FAILED when the experiment failed after
     its training finished (its evaluation, or DVC)."""
     if not run_id:
@@ -136,7 +155,8 @@ def mark_run(e: dict, run_id: str | None, state: str) -> None:
 
         from ddpipe.runstore import bound_http_requests
         bound_http_requests()
-        client = MlflowClient(e["tracking_uri"] or None)
+        client = MlflowClient(e["tracking_uri"] or os.environ.get("MLFLOW_TRACKING_URI")
+                              or f"sqlite:///{Path(m['repo']) / 'mlflow.db'}")
         client.set_tag(run_id, "ddpipe.cluster.state", state)
         if state == "failed" and client.get_run(run_id).info.status != "FAILED":
             client.set_tag(run_id, "ddpipe.cluster.log", e["log"])
@@ -165,10 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     e = m["experiments"][index]
     sched = slurm if m["scheduler"] == "slurm" else kubernetes
     ws, name = Path(e["workspace"]), e["name"]
-    if e["storage"] == "shared":  # everything from here on into the experiment's own log, every attempt appended
-        log = os.open(e["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
+    # everything from here on into the experiment's own log (on the node, where nodes share nothing), every attempt
+    # appended
+    Path(e["log"]).parent.mkdir(parents=True, exist_ok=True)
+    log = os.open(e["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
     if "--agent" in argv or os.environ.get("JOB_COMPLETION_INDEX", "0") != "0":
         return agent(m, e, ws, index)
     say(f"experiment {name}, job {sched.job_id()}, attempt {sched.attempt()}, on {socket.gethostname()}, "
@@ -182,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         if e["storage"] == "shared":
             records.write_result(root, name, "failed", code=1, log=e["log"], reason=f"workspace: {exc}")
         return 1
-    code, stops = run_experiment(ws, name, env, sched.FORWARD)
+    say(f"$ dvc exp run --name {name}   (in {ws})")
+    code, stops = run_experiment(ws, name, env, sched.FORWARD, sched.WARN_SECONDS - 60)
     run_id = mlflow_run(ws, e)
     if code == 0 and (ref := exp_ref(ws, name)):
         if e["storage"] == "shared":
@@ -190,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             remote = ["-r", e["dvc_remote"]] if e["dvc_remote"] else []
             sh(["dvc", "exp", "push", *remote, e["git_remote"], name], cwd=ws)
-        mark_run(e, run_id, "succeeded")
+        mark_run(m, e, run_id, "succeeded")
         say(f"experiment {name} is back as {ref}" + (f" (MLflow run {run_id})" if run_id else ""))
         if e["storage"] == "shared":
             records.write_result(root, name, "succeeded", code=0, log=e["log"], exp_ref=ref, run_id=run_id or "")
@@ -204,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"stopped by {signal.Signals(stops[0]).name}; the scheduler requeues or cancels the job")
         return 75
     say(f"experiment {name} failed (dvc exp run exited {code}); its workspace is kept: {ws}")
-    mark_run(e, run_id, "failed")
+    mark_run(m, e, run_id, "failed")
     if e["storage"] == "shared":
         records.write_result(root, name, "failed", code=code or 1, log=e["log"], run_id=run_id or "",
                              workspace=str(ws))

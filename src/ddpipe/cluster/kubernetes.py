@@ -23,6 +23,7 @@ from ddpipe.config import Config
 
 FORWARD = (signal.SIGTERM, signal.SIGUSR1)  # the kubelet signals PID 1 only: the driver passes stops on
 PORT = 29400
+WARN_SECONDS = 180  # no time-limit warning here; a SIGUSR1 sent by hand gets what SLURM's gets
 GRACE_SECONDS = 120  # SIGTERM then SIGKILL: the step in progress plus a checkpoint (deploy/k8s/indexed-job.yaml)
 
 
@@ -95,9 +96,12 @@ def submit(path: Path, namespace: str) -> None:
 
 
 def states(jobs: list[str]) -> dict[str, str]:
+    """Each job's state; ``jobs`` as ``namespace/name``."""
     found = {}
     for job in jobs:
-        out = subprocess.run(["kubectl", "get", "job", job, "-o", "json"], capture_output=True, text=True, timeout=60)
+        namespace, _, name = job.rpartition("/")
+        out = subprocess.run(["kubectl", "get", "job", name, "-n", namespace or "default", "-o", "json"],
+                             capture_output=True, text=True, timeout=60)
         if out.returncode != 0:
             found[job] = "ENDED"
             continue
@@ -109,7 +113,11 @@ def states(jobs: list[str]) -> dict[str, str]:
 
 def cancel(jobs: list[str]) -> None:
     for job in jobs:
-        subprocess.run(["kubectl", "delete", "job", job, "--wait=false"], capture_output=True, timeout=60)
+        namespace, _, name = job.rpartition("/")
+        out = subprocess.run(["kubectl", "delete", "job", name, "-n", namespace or "default", "--wait=false"],
+                             capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise ClusterError(f"kubectl delete job {name} exited {out.returncode}: {out.stderr.strip()}")
 
 
 def job_id() -> str:

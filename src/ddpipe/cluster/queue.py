@@ -71,5 +71,10 @@ def pin_and_dequeue(repo: Path, experiments: list[Queued]) -> None:
 
     for exp in experiments:
         git(repo, "update-ref", exp.pin, exp.stash_rev)
-    with Repo(str(repo)) as dvc:
-        dvc.experiments.celery_queue.remove([e.name for e in experiments])
+    try:
+        with Repo(str(repo)) as dvc:  # by stash commit: a finished experiment of the same name is not this one
+            dvc.experiments.celery_queue.remove([e.stash_rev for e in experiments])
+    except Exception as exc:  # the jobs are submitted: say exactly what is left to do
+        names = " ".join(e.name for e in experiments)
+        raise ClusterError(f"the jobs were submitted, but DVC's queue could not be emptied ({type(exc).__name__}: "
+                           f"{exc}); run `dvc queue remove {names}` before any `dvc queue start`") from None

@@ -6,7 +6,8 @@ user's repository (ignored by git and DVC):
     results/<name>.json       how it ended: succeeded, failed or cancelled, with its exit code, experiment ref and
                               MLflow run (written by the job's driver on a shared filesystem, by cancel, or by wait)
     logs/<name>.log           everything the experiment's job printed, every attempt appended
-    work/<name>/              its workspace (cluster.storage: shared)
+    work/<submission>/<name>/ its workspace (cluster.storage: shared)
+    history/<submission>/     the records and results of a submission whose names were submitted again
 """
 
 from __future__ import annotations
@@ -56,6 +57,23 @@ def result(root: Path, name: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def write_result(root: Path, name: str, state: str, **fields: object) -> None:
+def write_result(root: Path, name: str, state: str, keep: bool = False, **fields: object) -> None:
+    """How experiment ``name`` ended; ``keep``: not over a result already there (the job's own word wins)."""
     assert state in FINAL, state
-    atomic_write_json(root / "results" / f"{name}.json", {"state": state, "time": time.time(), **fields})
+    path = root / "results" / f"{name}.json"
+    if not (keep and path.exists()):
+        atomic_write_json(path, {"state": state, "time": time.time(), **fields})
+
+
+def archive(root: Path, name: str) -> None:
+    """An earlier submission's record and result of ``name`` out of the way of a new one (kept under history/)."""
+    old = root / "experiments" / f"{name}.json"
+    if not old.is_file():
+        return
+    submission = json.loads(old.read_text())["submission"]
+    for kind in ("experiments", "results"):
+        path = root / kind / f"{name}.json"
+        if path.is_file():
+            dest = root / "history" / submission / kind / path.name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            path.rename(dest)

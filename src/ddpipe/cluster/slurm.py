@@ -135,7 +135,7 @@ def script(res: Resources, count: int, submission: str, python: str, manifest: P
              *(f"#SBATCH {o}" for o in res.sbatch_options() + array),
              f"#SBATCH --signal=B:USR1@{WARN_SECONDS}   # to the driver: the training checkpoints a step, the job "
              "requeues itself",
-             "#SBATCH --requeue", "#SBATCH --open-mode=append", f"#SBATCH --output={output}",
+             "#SBATCH --requeue", "#SBATCH --open-mode=append", f'#SBATCH --output="{output}"',
              # the driver appends everything after its first line to the experiment's own log
              f"exec {shlex.quote(python)} -m ddpipe.cluster.job {shlex.quote(str(manifest))} "
              '"${SLURM_ARRAY_TASK_ID:-0}"',
@@ -154,10 +154,15 @@ def submit(path: Path, count: int) -> list[str]:
 
 def states(jobs: list[str]) -> dict[str, str]:
     """Each job's SLURM state (PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ...; ENDED when SLURM no longer
-    knows it)."""
+    knows it). ClusterError when squeue does not answer (a state is never guessed from silence)."""
     found: dict[str, str] = {}
-    out = subprocess.run(["squeue", "-h", "-r", "-o", "%i|%T", "-j", ",".join(jobs)], capture_output=True, text=True,
-                         timeout=60)
+    try:
+        out = subprocess.run(["squeue", "-h", "-r", "-o", "%i|%T", "-j", ",".join(jobs)], capture_output=True,
+                             text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ClusterError(f"squeue did not answer: {exc}") from None
+    if out.returncode != 0 and "Invalid job id" not in out.stderr:  # every job gone is an answer, not a failure
+        raise ClusterError(f"squeue exited {out.returncode}: {out.stderr.strip()} (is the SLURM controller reachable?)")
     for line in out.stdout.splitlines():
         job, _, state = line.partition("|")
         found[job] = state
@@ -168,7 +173,11 @@ def states(jobs: list[str]) -> dict[str, str]:
 
 
 def _ended_state(job: str) -> str:
-    out = subprocess.run(["scontrol", "show", "job", job, "--oneliner"], capture_output=True, text=True, timeout=60)
+    try:
+        out = subprocess.run(["scontrol", "show", "job", job, "--oneliner"], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ClusterError(f"scontrol did not answer: {exc}") from None
     for field in out.stdout.split():
         if field.startswith("JobState="):
             return field.split("=", 1)[1]
@@ -181,7 +190,9 @@ def _ended_state(job: str) -> str:
 
 
 def cancel(jobs: list[str]) -> None:
-    subprocess.run(["scancel", *jobs], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(["scancel", *jobs], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise ClusterError(f"scancel {' '.join(jobs)} exited {out.returncode}: {out.stderr.strip()}")
 
 
 # -- inside a job ------------------------------------------------------------------------------
@@ -211,7 +222,7 @@ def nodes_env(nnodes: int, workspace: Path) -> str:
     # --cpus-per-task again: some SLURM versions do not pass it from sbatch to srun
     srun = ["srun", f"--nodes={nnodes}", "--ntasks-per-node=1", f"--cpus-per-task={cpus}", "--kill-on-bad-exit=1",
             f"--chdir={workspace}"]
-    return " ".join([f"{addr}:{29400 + int(job) % 1000}", f"ddpipe-{job}", *srun])
+    return shlex.join([f"{addr}:{29400 + int(job) % 1000}", f"ddpipe-{job}", *srun])
 
 
 def requeue_self() -> None:
