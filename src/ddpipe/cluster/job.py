@@ -208,11 +208,16 @@ def main(argv: list[str] | None = None) -> int:
     code, stops = run_experiment(ws, name, env, sched.FORWARD, sched.WARN_SECONDS - 60)
     run_id = mlflow_run(ws, e)
     if code == 0 and (ref := exp_ref(ws, name)):
-        if e["storage"] == "shared":
-            sh(["git", "push", "--quiet", m["repo"], f"+{ref}:{ref}"], cwd=ws)
-        else:
-            remote = ["-r", e["dvc_remote"]] if e["dvc_remote"] else []
-            sh(["dvc", "exp", "push", *remote, e["git_remote"], name], cwd=ws)
+        remote = ["-r", e["dvc_remote"]] if e["dvc_remote"] else []
+        push = (["git", "push", "--quiet", m["repo"], f"+{ref}:{ref}"] if e["storage"] == "shared" else
+                ["dvc", "exp", "push", *remote, e["git_remote"], name])
+        if sh(push, cwd=ws, check=False) != 0:  # done here, not back: say so, keep the workspace to push again
+            say(f"experiment {name} ran but could not be sent back; its workspace is kept: {ws} (run the command "
+                "above there)")
+            if e["storage"] == "shared":
+                records.write_result(root, name, "failed", code=1, log=e["log"], run_id=run_id or "",
+                                     workspace=str(ws), reason="the experiment ref could not be pushed back")
+            return 1
         mark_run(m, e, run_id, "succeeded")
         say(f"experiment {name} is back as {ref}" + (f" (MLflow run {run_id})" if run_id else ""))
         if e["storage"] == "shared":
