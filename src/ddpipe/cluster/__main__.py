@@ -272,6 +272,8 @@ def wait(repo: Path, timeout: float, poll: float) -> int:
             raise ClusterError(f"{len(todo)} experiment(s) still not ended after {timeout:.0f} s")
         if todo:
             time.sleep(poll)
+    with contextlib.suppress(ClusterError):  # the table shows how the jobs ended, not the last poll
+        states.update(live_states(recs))
     print(table(repo, root, recs, states))
     failed = [r.name for r in recs if records.result(root, r.name)["state"] != "succeeded"]
     if failed:
