@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from ddpipe.cluster import kubernetes
+from ddpipe.cluster.queue import exp_ref
 from ddpipe.launch import NODES_ENV, cluster_nodes
 from tests.conftest import GIT_ENV, VENV_BIN, free_port, run, same_weights, subprocess_env, wait_for_url, weights
 from tests.slurm_cluster import SlurmCluster, unavailable
@@ -136,10 +137,15 @@ def runs_by_name(repo: Path) -> dict:
     return {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
 
 
-def cached_weights(repo: Path, ref: str) -> dict:
+def model_md5(repo: Path, ref: str) -> str:
+    """The md5 of models/model.pt that the experiment commit ``ref`` records in its dvc.lock."""
     lock = yaml.safe_load(run(["git", "show", f"{ref}:dvc.lock"], cwd=repo).stdout)
-    md5 = next(o["md5"] for o in lock["stages"]["train"]["outs"] if o["path"] == "models/model.pt")
-    return weights(repo / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:])
+    return next(o["md5"] for o in lock["stages"]["train"]["outs"] if o["path"] == "models/model.pt")
+
+
+def cached_model(repo: Path, ref: str) -> Path:
+    md5 = model_md5(repo, ref)
+    return repo / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]
 
 
 @pytest.mark.slow
@@ -195,8 +201,7 @@ def test_a_queued_grid_runs_on_slurm_and_comes_back_as_dvc_experiments_and_one_m
     assert sorted(r.data.tags["dvc_exp_name"] for r in children) == ["g1", "g2", "g3", "g4"]
     assert {r.info.status for r in children} == {"FINISHED"}
     for r in children:  # the run names its experiment and job; the experiment names its run (models/run.json)
-        ref = next(x for x in run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], cwd=repo).stdout.split()
-                   if x.endswith("/" + r.data.tags["dvc_exp_name"]))
+        ref = exp_ref(repo, r.data.tags["dvc_exp_name"])
         assert json.loads(run(["git", "show", f"{ref}:models/run.json"], cwd=repo).stdout)["run_id"] == r.info.run_id
         assert r.data.tags["ddpipe.cluster.job"] == jobs[r.data.tags["dvc_exp_name"]]
     broken = next(r for r in runs.values() if r.data.tags.get("dvc_exp_name") == "broken")
@@ -205,16 +210,15 @@ def test_a_queued_grid_runs_on_slurm_and_comes_back_as_dvc_experiments_and_one_m
 
     # requeued: a second attempt resumed g1's checkpoint and ended with the uninterrupted run's weights
     assert "attempt 2" in (logs / "g1.log").read_text()
-    refs = run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], cwd=repo).stdout.split()
-    ref_of = {r.rsplit("/", 1)[-1]: r for r in refs}
-    assert same_weights(cached_weights(repo, ref_of["g1"]), cached_weights(repo, ref_of["ref"]))
+    g1, ref = (weights(cached_model(repo, exp_ref(repo, name))) for name in ("g1", "ref"))
+    assert same_weights(g1, ref)
 
     # an experiment back in the workspace: its model and metrics from the cache, nothing left to do
     run(["dvc", "exp", "apply", "g2"], cwd=repo)
     run(["dvc", "checkout"], cwd=repo)
     assert "up to date" in run(["dvc", "status"], cwd=repo).stdout
     assert json.loads((repo / "metrics" / "test.json").read_text()) == json.loads(
-        run(["git", "show", f"{ref_of['g2']}:metrics/test.json"], cwd=repo).stdout)
+        run(["git", "show", f"{exp_ref(repo, 'g2')}:metrics/test.json"], cwd=repo).stdout)
     status = run(CLUSTER + ["status"], cwd=repo, env=env).stdout
     assert "succeeded" in status and "failed" in status and "broken" in status
 
@@ -274,11 +278,7 @@ def test_a_fresh_clone_reproduces_main_and_a_pushed_experiment_from_an_ssh_remot
     run(["dvc", "push"], cwd=repo, env=env, timeout=600)
     run(["dvc", "exp", "run", "-n", "pushed", "-S", "seed=5"], cwd=repo, env=env, timeout=900)
     run(["dvc", "exp", "push", "origin", "pushed"], cwd=repo, env=env, timeout=600)
-    ref = next(r for r in run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], cwd=repo).stdout.split()
-               if r.endswith("/pushed"))
-    lock = yaml.safe_load(run(["git", "show", f"{ref}:dvc.lock"], cwd=repo).stdout)
-    md5 = next(o["md5"] for o in lock["stages"]["train"]["outs"] if o["path"] == "models/model.pt")
-    pushed_model = (repo / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]).read_bytes()
+    pushed_model = cached_model(repo, exp_ref(repo, "pushed")).read_bytes()
     run(["git", "checkout", "-q", "--", "."], cwd=repo, env=env)
     run(["dvc", "checkout", "--force"], cwd=repo, env=env)
 
@@ -342,14 +342,11 @@ def test_nodes_that_share_nothing_clone_pull_and_push_through_the_git_and_dvc_re
     assert "dvc pull" in text and "dvc exp push" in text and "Running stage 'train'" in text, text[-3000:]
     assert list(nodes.glob("*/far/.dvc/cache/files"))  # its own cache, filled from the SSH remote
 
-    ref = next(r for r in run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], cwd=repo).stdout.split()
-               if r.endswith("/far"))
+    ref = exp_ref(repo, "far")
     run(["dvc", "exp", "apply", "far"], cwd=repo, env=env)
     run(["dvc", "checkout"], cwd=repo, env=env)
     assert "up to date" in run(["dvc", "status"], cwd=repo, env=env).stdout
-    lock = yaml.safe_load(run(["git", "show", f"{ref}:dvc.lock"], cwd=repo).stdout)
-    md5 = next(o["md5"] for o in lock["stages"]["train"]["outs"] if o["path"] == "models/model.pt")
-    assert hashlib.md5((repo / "models" / "model.pt").read_bytes()).hexdigest() == md5
+    assert hashlib.md5((repo / "models" / "model.pt").read_bytes()).hexdigest() == model_md5(repo, ref)
 
     from mlflow.tracking import MlflowClient
 

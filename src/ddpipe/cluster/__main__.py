@@ -15,17 +15,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import secrets
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import yaml
 
 from ddpipe.cluster import ClusterError, kubernetes, records, slurm
-from ddpipe.cluster.queue import Queued, git, pin_and_dequeue, queued
+from ddpipe.cluster.queue import Queued, exp_ref, git, pin_and_dequeue, queued
 from ddpipe.config import user_errors
 from ddpipe.runstore import is_server, redact, tracking_uri
 
@@ -98,9 +98,9 @@ def entry(repo: Path, root: Path, e: Queued, submission: str) -> dict:
             "nnodes": int(e.cfg.distributed.nnodes), "workspace": str(workdir / e.name),
             "log": str((workdir if remote else root / "logs") / f"{e.name}.log"),  # remote: on the node that ran it
             "storage": c.storage, "git_remote": git_url(repo, c.git_remote) if remote else "",
-            # never a password in a file: the job's own environment (sbatch passes it on) carries credentials
-            "dvc_remote": c.dvc_remote or "", "tracking_uri": redact(tracking_uri(e.cfg.mlflow)) if (
-                remote or os.environ.get("MLFLOW_TRACKING_URI") or e.cfg.mlflow.tracking_uri) else "",
+            # the store resolved here (the default: this repository's); never a password in a file: the job's own
+            # environment (sbatch passes it on) carries credentials
+            "dvc_remote": c.dvc_remote or "", "tracking_uri": redact(tracking_uri(e.cfg.mlflow)),
             "run_info": e.cfg.paths.run_info, "test_metrics": e.cfg.paths.test_metrics, "job": ""}
 
 
@@ -206,11 +206,6 @@ def collect(repo: Path, root: Path, rec: records.Record, state: str) -> None:
                          reason=f"the job ended {state} without the experiment's end (killed?)")
 
 
-def exp_ref(repo: Path, name: str) -> str:
-    refs = git(repo, "for-each-ref", "--format=%(refname)", "refs/exps", check=False).split()
-    return next((r for r in refs if r.rsplit("/", 1)[-1] == name), "")
-
-
 def accuracy(repo: Path, rec: records.Record, res: dict | None) -> str:
     ref = (res or {}).get("exp_ref")
     if not ref:
@@ -263,7 +258,7 @@ def wait(repo: Path, timeout: float, poll: float) -> int:
                 if rec.storage == "remote" or time.time() - ended_at[rec.name] > GRACE_SECONDS:
                     collect(repo, root, rec, state)
         todo = [r for r in recs if not records.result(root, r.name)]
-        line = ", ".join(f"{n} {s}" for s, n in _count(states.get(r.name, "UNKNOWN") for r in todo).items())
+        line = ", ".join(f"{n} {s}" for s, n in Counter(states.get(r.name, "UNKNOWN") for r in todo).items())
         if line and line != said:
             print(f"{time.strftime('%H:%M:%S')} waiting for {len(todo)} experiment(s): {line}", flush=True)
             said = line
@@ -282,13 +277,6 @@ def wait(repo: Path, timeout: float, poll: float) -> int:
         return 1
     print(f"all {len(recs)} experiment(s) are back: dvc exp show")
     return 0
-
-
-def _count(items) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for i in items:
-        out[i] = out.get(i, 0) + 1
-    return out
 
 
 def cancel(repo: Path, names: list[str]) -> int:

@@ -31,8 +31,10 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from ddpipe.cluster import kubernetes, records, slurm
+from ddpipe.cluster.queue import exp_ref
 
 READY = ".ddpipe-ready"
 
@@ -82,7 +84,7 @@ def environment(m: dict, e: dict, ws: Path, sched) -> dict[str, str]:
     env = {**os.environ, "PATH": f"{Path(m['python']).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "PYTHONPATH": str(ws / "src"),  # the experiment's own library, not the installed checkout's
            "PYTHONUNBUFFERED": "1", "DDPIPE_CLUSTER_JOB": sched.job_id(), "DDPIPE_CLUSTER_LOG": e["log"]}
-    if e["tracking_uri"] and not os.environ.get("MLFLOW_TRACKING_URI"):  # the job's own (with credentials) wins
+    if not env.get("MLFLOW_TRACKING_URI"):  # the job's own (with credentials) wins
         env["MLFLOW_TRACKING_URI"] = e["tracking_uri"]
     if e["storage"] == "shared":  # the outbox and default store of the user's repository, not of this workspace
         env["DDPIPE_REPO_ROOT"] = m["repo"]
@@ -131,12 +133,6 @@ def run_experiment(ws: Path, name: str, env: dict, forward: tuple[signal.Signals
     return child.wait(), stops
 
 
-def exp_ref(ws: Path, name: str) -> str | None:
-    refs = subprocess.run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], cwd=ws, capture_output=True,
-                          text=True).stdout.split()
-    return next((r for r in refs if r.rsplit("/", 1)[-1] == name), None)
-
-
 def mlflow_run(ws: Path, e: dict) -> str | None:
     path = ws / e["run_info"]
     try:
@@ -145,7 +141,7 @@ def mlflow_run(ws: Path, e: dict) -> str | None:
         return None
 
 
-def mark_run(m: dict, e: dict, run_id: str | None, state: str) -> None:
+def mark_run(e: dict, run_id: str | None, state: str) -> None:
     """The experiment's end in its MLflow run: ``ddpipe.cluster.state``; FAILED when the experiment failed after
     its training finished (its evaluation, or DVC)."""
     if not run_id:
@@ -155,8 +151,7 @@ def mark_run(m: dict, e: dict, run_id: str | None, state: str) -> None:
 
         from ddpipe.runstore import bound_http_requests
         bound_http_requests()
-        client = MlflowClient(e["tracking_uri"] or os.environ.get("MLFLOW_TRACKING_URI")
-                              or f"sqlite:///{Path(m['repo']) / 'mlflow.db'}")
+        client = MlflowClient(os.environ.get("MLFLOW_TRACKING_URI") or e["tracking_uri"])
         client.set_tag(run_id, "ddpipe.cluster.state", state)
         if state == "failed" and client.get_run(run_id).info.status != "FAILED":
             client.set_tag(run_id, "ddpipe.cluster.log", e["log"])
@@ -165,7 +160,7 @@ def mark_run(m: dict, e: dict, run_id: str | None, state: str) -> None:
         say(f"could not mark MLflow run {run_id} {state}: {type(exc).__name__}: {exc}")
 
 
-def agent(m: dict, e: dict, ws: Path, index: int) -> int:
+def agent(m: dict, e: dict, ws: Path, index: int) -> NoReturn:
     """Another node's pod of a Kubernetes job: when the first pod has made the workspace, its launcher."""
     while not (ws / READY).exists():
         time.sleep(2)
@@ -175,7 +170,6 @@ def agent(m: dict, e: dict, ws: Path, index: int) -> int:
     say(f"node {index} of experiment {e['name']}: " + " ".join(cmd))
     os.chdir(ws)
     os.execve(cmd[0], cmd, env)
-    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(log, 1)
     os.dup2(log, 2)
     if "--agent" in argv or os.environ.get("JOB_COMPLETION_INDEX", "0") != "0":
-        return agent(m, e, ws, index)
+        agent(m, e, ws, index)
     say(f"experiment {name}, job {sched.job_id()}, attempt {sched.attempt()}, on {socket.gethostname()}, "
         f"workspace {ws}")
     root = Path(m["state"])
@@ -218,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                 records.write_result(root, name, "failed", code=1, log=e["log"], run_id=run_id or "",
                                      workspace=str(ws), reason="the experiment ref could not be pushed back")
             return 1
-        mark_run(m, e, run_id, "succeeded")
+        mark_run(e, run_id, "succeeded")
         say(f"experiment {name} is back as {ref}" + (f" (MLflow run {run_id})" if run_id else ""))
         if e["storage"] == "shared":
             records.write_result(root, name, "succeeded", code=0, log=e["log"], exp_ref=ref, run_id=run_id or "")
@@ -232,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"stopped by {signal.Signals(stops[0]).name}; the scheduler requeues or cancels the job")
         return 75
     say(f"experiment {name} failed (dvc exp run exited {code}); its workspace is kept: {ws}")
-    mark_run(m, e, run_id, "failed")
+    mark_run(e, run_id, "failed")
     if e["storage"] == "shared":
         records.write_result(root, name, "failed", code=code or 1, log=e["log"], run_id=run_id or "",
                              workspace=str(ws))

@@ -37,6 +37,12 @@ def git(repo: Path, *args: str, check: bool = True) -> str:
     return result.stdout.strip()
 
 
+def exp_ref(repo: Path, name: str) -> str:
+    """The ref of DVC experiment ``name`` in ``repo`` (``refs/exps/<baseline>/<name>``), or ""."""
+    refs = git(repo, "for-each-ref", "--format=%(refname)", "refs/exps", check=False).split()
+    return next((r for r in refs if r.rsplit("/", 1)[-1] == name), "")
+
+
 def queued(repo: Path, overrides: list[str] = ()) -> list[Queued]:
     """Every experiment in ``repo``'s DVC queue with its params (``overrides`` on top), oldest first. ClusterError
     for an empty queue, or naming the experiment whose params fail the checks."""

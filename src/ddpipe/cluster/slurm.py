@@ -20,7 +20,6 @@ from ddpipe.config import Config
 FORWARD = (signal.SIGUSR1,)  # --signal=B:USR1 reaches the driver only; SLURM's stops (SIGTERM) reach every process
 COMMANDS = ("sbatch", "squeue", "scontrol", "scancel", "sinfo")
 WARN_SECONDS = 180  # SIGUSR1 this long before the time limit: the training checkpoints its step and the job requeues
-PENDING = ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED")
 
 
 @dataclass(frozen=True)
