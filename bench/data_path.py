@@ -43,6 +43,7 @@ from ddpipe.data.loading import TrainingData
 from ddpipe.data.store import load_meta, open_split
 from ddpipe.data.transforms import decode
 from ddpipe.devices import Compute, cpu_count
+from ddpipe.resolved import resolve
 
 STAGES = ("fetch", "prepare", "train", "evaluate")
 
@@ -226,11 +227,11 @@ def loader(size: int) -> list[dict]:
         records = []
         compute = Compute(torch.device("cpu"), "fp32", channels_last=False)
         for side in (64, 224):
-            read = replace(cfg, data=replace(cfg.data, image_size=side),
-                           paths=replace(cfg.paths, prepared=str(tmp / "p")))
+            read = resolve(replace(cfg, data=replace(cfg.data, image_size=side),
+                                   train=replace(cfg.train, batch_size_per_rank="64"),
+                                   paths=replace(cfg.paths, prepared=str(tmp / "p"))), torch.device("cpu"), meta)
             for workers in (0, 1, 2):
-                data = TrainingData.load(read, meta, compute, batch_size_per_rank=64, rank=0, world_size=1,
-                                         num_workers=workers)
+                data = TrainingData.load(read, meta, compute, rank=0, world_size=1, num_workers=workers)
                 try:
                     for _ in data.train_batches(0, 0, 4):  # workers started, first batches out
                         pass

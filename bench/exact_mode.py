@@ -4,8 +4,8 @@ model, ordinary vs exact, one process, all cores.
     python bench/exact_mode.py [--batch 256] [--steps 10] [--reps 3]
     python bench/exact_mode.py --quick                       # smoke run
 
-The network is built as training builds it (``training.training_module`` from params.yaml with
-``distributed.exact`` off or on, channels_last and autocast from ``devices.Compute``), fed random
+The network is built as training builds it (``network.build_network`` from params.yaml with
+``distributed.exact`` off or on, channels_last and autocast as ``resolved.resolve`` chooses them), fed random
 images of Fashion-MNIST's shape (the cost does not depend on the pixels). Prints the machine and a
 Markdown table of the median milliseconds per step (min-max over ``--reps``, interleaved); appends the
 figures to ``bench/results/exact_mode.jsonl``.
@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from common import append_jsonl, config, markdown_table, print_machine, summary
 
 from ddpipe.data.store import Prepared
-from ddpipe.devices import Compute, auto_choice
-from ddpipe.distributed import DistInfo
-from ddpipe.training import training_module
+from ddpipe.network import build_network
+from ddpipe.ranks import DistInfo
+from ddpipe.resolved import resolve
 
 FASHION_SHAPE = Prepared("random", [str(c) for c in range(10)], 1, "raw", [28, 28], None, [0.0], [1.0], {})
 
@@ -32,12 +31,10 @@ FASHION_SHAPE = Prepared("random", [str(c) for c in range(10)], 1, "raw", [28, 2
 def step_ms(exact: bool, precision: str, batch: int, steps: int) -> float:
     info = DistInfo()
     overrides = [f"distributed.exact={str(exact).lower()}", f"train.precision={precision}"]
-    cfg = config(overrides)
-    if cfg.model.name == "auto":  # as ddpipe.resolved picks it for these images on this device
-        cfg = replace(cfg, model=replace(cfg.model, name=auto_choice(info.device, FASHION_SHAPE.image_size[0])[0]))
-    compute = Compute.resolve(cfg.train, info.device)
+    run = resolve(config(overrides), info.device, FASHION_SHAPE)  # auto as for these images on this device
+    cfg, compute = run.cfg, run.compute(info.device)
     torch.manual_seed(0)
-    model = training_module(cfg, FASHION_SHAPE, info, compute)
+    model = compute.place(build_network(run, info).module)
     x = torch.randn(batch, 1, 28, 28)
     x = x.contiguous(memory_format=torch.channels_last) if compute.channels_last else x
     y = torch.randint(0, 10, (batch,))

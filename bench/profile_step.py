@@ -25,6 +25,7 @@ from common import REPO, append_jsonl, config, markdown_table, print_machine
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from ddpipe.distributed import init_distributed
+from ddpipe.launch import this_device
 from ddpipe.metrics import EpochMeter, EpochProgress
 from ddpipe.resolved import resolve
 from ddpipe.training import Trainer
@@ -47,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def micro_batches(trainer: Trainer) -> Iterator[tuple[int, list[tuple]]]:
-    """(epoch, one optimizer step's micro-batches), epoch after epoch, as ``Trainer.run_epoch`` takes them."""
+    """(epoch, one optimizer step's micro-batches), epoch after epoch, as ``Trainer.train_epoch`` takes them."""
     accum = trainer.cfg.train.grad_accum_steps
     for epoch in itertools.count():
         batches = iter(trainer.data.train_batches(epoch, 0, trainer.steps_per_epoch * accum))
@@ -73,8 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     print_machine()
     cfg = config(args.overrides)
     cfg.paths.prepared = str(REPO / cfg.paths.prepared)  # an absolute path stays as it is
-    info = init_distributed(cfg.distributed)  # one plain process: its device, its threads
-    trainer = Trainer(resolve(cfg, info.device), info)
+    run = resolve(cfg, this_device())
+    info = init_distributed(cfg.distributed, run.backend)  # one plain process: its device, its threads
+    trainer = Trainer(run, info)
     label_transform(trainer)
     steps, meter = micro_batches(trainer), EpochMeter(trainer.device, EpochProgress())
     trainer.model.train()

@@ -23,7 +23,7 @@ from pathlib import Path
 from common import REPO, clean_env, ensure_prepared, markdown_table, print_machine, run_timed, temp_dir
 
 from ddpipe.config import Config, MlflowConfig
-from ddpipe.distributed import DistInfo
+from ddpipe.ranks import DistInfo
 from ddpipe.tracking import MlflowTracker
 
 EPOCH = {k: 0.5 for k in ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "best_val_accuracy",

@@ -3,7 +3,7 @@
     python stages/evaluate.py [key=value ...]
 """
 
-from ddpipe.cli import run_stage
+from ddpipe.cli import execute_stage
 from ddpipe.config import Config
 from ddpipe.data.store import PreparedDataError
 
@@ -17,4 +17,4 @@ def main(cfg: Config) -> None:
 
 
 if __name__ == "__main__":
-    run_stage(main, "stages/evaluate.py", (PreparedDataError, FileNotFoundError))
+    execute_stage(main, "stages/evaluate.py", (PreparedDataError, FileNotFoundError))

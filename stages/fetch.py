@@ -9,7 +9,7 @@ checked: the prepare stage reads it where it lies.
 
 from pathlib import Path
 
-from ddpipe.cli import run_stage
+from ddpipe.cli import execute_stage
 from ddpipe.config import Config
 from ddpipe.data.sources import DataSourceError, fetch
 
@@ -20,4 +20,4 @@ def main(cfg: Config) -> None:
 
 
 if __name__ == "__main__":
-    run_stage(main, "stages/fetch.py", (DataSourceError,))
+    execute_stage(main, "stages/fetch.py", (DataSourceError,))

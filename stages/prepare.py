@@ -6,7 +6,7 @@
 import time
 from pathlib import Path
 
-from ddpipe.cli import run_stage
+from ddpipe.cli import execute_stage
 from ddpipe.config import Config
 from ddpipe.data.prepare import prepare
 from ddpipe.data.sources import DataSourceError
@@ -26,4 +26,4 @@ def main(cfg: Config) -> None:
 
 
 if __name__ == "__main__":
-    run_stage(main, "stages/prepare.py", (DataSourceError, PreparedDataError))
+    execute_stage(main, "stages/prepare.py", (DataSourceError, PreparedDataError))

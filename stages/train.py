@@ -25,11 +25,11 @@ def main() -> None:
     cfg = load_or_exit(sys.argv[1:], "stages/train.py")
     with user_errors(PreparedDataError):
         run = worker_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    from ddpipe.preemption import EXIT_PREEMPTED, Preempted
+    from ddpipe.exits import EXIT_PREEMPTED, Preempted
     from ddpipe.training import train
 
     try:
-        train(cfg, run)
+        train(run)
     except Preempted as exc:  # the run is KILLED in MLflow; the same command resumes it
         print(f"training {exc}; run the same command to resume from the newest checkpoint "
               f"(exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)

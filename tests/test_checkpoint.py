@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ddpipe import checkpoint as ckpt
-from ddpipe.distributed import DistInfo
+from ddpipe.ranks import DistInfo
 from tests.conftest import ROOT, subprocess_env
 
 

@@ -13,10 +13,11 @@ import torch
 from torch.utils.data import BatchSampler, DistributedSampler
 
 from ddpipe.config import ConfigError, load_config
-from ddpipe.data.loading import BatchKey, Splits, TrainingData, TrainOrder, eval_batches, input_size, real_sample_mask
+from ddpipe.data.loading import BatchKey, Splits, TrainingData, TrainOrder, eval_batches, real_sample_mask
 from ddpipe.data.store import load_meta
 from ddpipe.data.transforms import BatchTransform, EvalCrop, TrainCrop, decode
 from ddpipe.devices import Compute
+from ddpipe.resolved import input_size, resolve
 from tests.conftest import prepare_generated_folder
 
 CPU = torch.device("cpu")
@@ -96,9 +97,10 @@ def encoded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _data(prepared: Path, workers: int, rank: int = 0, world: int = 1, batch: int = 8) -> TrainingData:
-    cfg = load_config([f"paths.prepared={prepared}", "data.image_size=48", "seed=4"], params_file=None)
-    return TrainingData.load(cfg, load_meta(prepared), Compute(CPU, "fp32", False), batch_size_per_rank=batch,
-                             rank=rank, world_size=world, num_workers=workers)
+    cfg = load_config([f"paths.prepared={prepared}", "data.image_size=48", "seed=4",
+                       f"train.batch_size_per_rank={batch}"], params_file=None)
+    return TrainingData.load(resolve(cfg, CPU), load_meta(prepared), Compute(CPU, "fp32", False), rank=rank,
+                             world_size=world, num_workers=workers)
 
 
 def test_loader_workers_never_change_a_batch(encoded: Path) -> None:

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from ddpipe.config import load_config
-from ddpipe.preemption import EXIT_PREEMPTED
+from ddpipe.exits import EXIT_PREEMPTED
 from tests.conftest import PARAMS, ROOT
 
 K8S = ROOT / "deploy" / "k8s"

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddpipe import devices
-from ddpipe.config import ConfigError, TrainConfig, load_config
-from ddpipe.devices import Compute, cpu_count, cpu_supports_bf16, resolve_precision, use_channels_last
+from ddpipe import resolved
+from ddpipe.config import ConfigError, load_config
+from ddpipe.devices import Compute, cpu_count, cpu_supports_bf16
+from ddpipe.resolved import resolve_precision, use_channels_last
 
 CPU = torch.device("cpu")
 
@@ -32,7 +33,7 @@ def test_channels_last(setting: str, device: str, precision: str, expected: bool
 
 
 def test_compute_on_cpu_autocasts_only_below_fp32() -> None:
-    fp32 = Compute.resolve(TrainConfig(precision="fp32", channels_last="off"), CPU)
+    fp32 = Compute(CPU, resolve_precision("fp32", CPU), use_channels_last("off", CPU, "fp32"))
     assert (fp32.precision, fp32.channels_last, fp32.pin_memory) == ("fp32", False, False)
     with fp32.autocast():
         assert not torch.is_autocast_enabled("cpu")
@@ -49,11 +50,11 @@ def test_compute_on_cpu_autocasts_only_below_fp32() -> None:
 def test_auto_picks_an_imagenet_network_for_large_inputs(device: str, expected: tuple[str, int]) -> None:
     """Above 64 px a side (encoded images: 224 by default) auto means torchvision's networks, whose stem
     downsamples at once; at 64 px and below, the small-image ones."""
-    assert devices.auto_choice(torch.device(device), 64)[0] in ("resnet_compact", "resnet_small")
-    assert devices.auto_choice(torch.device(device), 224) == expected
+    assert resolved.auto_choice(torch.device(device), 64)[0] in ("resnet_compact", "resnet_small")
+    assert resolved.auto_choice(torch.device(device), 224) == expected
 
 
 def test_an_explicit_eval_batch_is_kept() -> None:
     fixed = load_config(["train.eval_batch_size_per_rank=1000"])
-    assert devices.eval_batch_size(fixed.train, CPU, 28) == 1000
-    assert devices.eval_batch_size(load_config(["train.batch_size_per_rank=48"]).train, CPU, 28) == 96
+    assert resolved.eval_batch_size(fixed.train, CPU, 28) == 1000
+    assert resolved.eval_batch_size(load_config(["train.batch_size_per_rank=48"]).train, CPU, 28) == 96

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from ddpipe.checkpoint import list_checkpoints
-from ddpipe.config import TrainConfig
 from ddpipe.finetune import FineTuning
 from ddpipe.models.nets import ResNetCompact
+from ddpipe.launch import this_device
+from ddpipe.resolved import resolve
 from ddpipe.training import train
 from tests.conftest import ROOT, args_for, run, same_weights, torchrun, weights
 
@@ -35,7 +36,7 @@ def finetune_args(tmp: Path, prepared: Path, exported: Path, *extra: str) -> lis
 
 def test_param_groups_and_freezing_by_epoch() -> None:
     model = ResNetCompact(1, 10, 8)
-    ft = FineTuning(TrainConfig(body_lr_ratio=0.1, freeze_body_epochs="2"), model, 10)
+    ft = FineTuning(0.1, 2, model, 10)
     head, body = ft.param_groups(model, 0.01)
     assert head["lr"] == 0.01 and body["lr"] == pytest.approx(0.001)
     assert {id(p) for p in head["params"]} == {id(p) for p in model.classifier.parameters()}
@@ -47,7 +48,7 @@ def test_param_groups_and_freezing_by_epoch() -> None:
     ft.freeze_batchnorm(model)
     assert not model.features[1].training and model.training
     assert ft.set_epoch(model, 2) and model.features[0].weight.requires_grad
-    off = FineTuning(TrainConfig(), model, 10)
+    off = FineTuning(1.0, 0, model, 10)
     assert len(off.param_groups(model, 0.01)) == 1 and not off.set_epoch(model, 0)
 
 
@@ -57,7 +58,7 @@ def test_a_frozen_body_keeps_the_exported_weights_and_statistics_then_trains(
     exported model's; epoch 2 trains the body too. MLflow records the weights' file and sha256."""
     cfg = tiny_cfg(*finetune_args(tmp_path, prepared, exported, "mlflow.log_model=false",
                                   "mlflow.log_system_metrics=false"))
-    train(cfg)
+    train(resolve(cfg, this_device()))
     source = weights(exported)
     (pos1, first), (pos2, second) = [(p, torch.load(f, weights_only=True)["model"])
                                      for p, f in list_checkpoints(tmp_path / "ckpt")]
@@ -116,7 +117,7 @@ def test_a_torchvision_network_trains_from_a_torchvision_state_dict(tmp_path: Pa
     cfg = tiny_cfg(f"paths.prepared={prepared}", "model.name=resnet18", f"paths.pretrained={tmp_path}/pretrained",
                    f"model.weights={file}", "num_epochs=1", "mlflow.log_model=false",
                    "mlflow.log_system_metrics=false")
-    train(cfg)
+    train(resolve(cfg, this_device()))
     out = capsys.readouterr().out
     assert "stem conv1: 3-channel weights summed over RGB" in out and "classifier head fc replaced for 10" in out
     client = MlflowClient(cfg.mlflow.tracking_uri)

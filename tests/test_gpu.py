@@ -19,14 +19,15 @@ import torch
 from torch import nn
 
 from ddpipe.batchnorm import convert_sync_batchnorm
-from ddpipe.config import TrainConfig, load_config
+from ddpipe.config import load_config
 from ddpipe.data.loading import TrainingData
 from ddpipe.data.store import load_meta, open_split
 from ddpipe.data.transforms import BatchTransform
 from ddpipe.devices import Compute
+from ddpipe.resolved import resolve, use_channels_last
 from ddpipe.models.nets import ResNetSmall
 from ddpipe.models.saved import load_model
-from ddpipe.preemption import EXIT_PREEMPTED
+from ddpipe.exits import EXIT_PREEMPTED
 from tests.conftest import FIRST_EPOCH, ROOT, args_for, subprocess_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -43,10 +44,12 @@ def _cfg(tiny_cfg, prepared: Path, *extra: str):
 def test_a_short_training_on_one_gpu(tiny_cfg, prepared: Path, precision: str) -> None:
     """Two epochs in-process on the GPU learn the generated bars; fp16 runs through the GradScaler,
     whose state travels in the checkpoint."""
+    from ddpipe.launch import this_device
+    from ddpipe.resolved import resolve
     from ddpipe.training import train
 
     cfg = _cfg(tiny_cfg, prepared, f"train.precision={precision}")
-    metrics = train(cfg)
+    metrics = train(resolve(cfg, this_device()))
     assert metrics["val_accuracy"] > 0.5, metrics
     weights = torch.load(cfg.paths.model, map_location="cpu", weights_only=True)["state_dict"]
     assert all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point())
@@ -56,15 +59,17 @@ def test_a_short_training_on_one_gpu(tiny_cfg, prepared: Path, precision: str) -
 
 
 def test_a_model_trained_on_the_gpu_loads_on_the_cpu_and_answers_the_same(tiny_cfg, prepared: Path) -> None:
+    from ddpipe.launch import this_device
+    from ddpipe.resolved import resolve
     from ddpipe.training import train
 
     cfg = _cfg(tiny_cfg, prepared, "num_epochs=1", "train.precision=fp32")
-    train(cfg)
-    cpu_model, payload = load_model(cfg.paths.model)
+    train(resolve(cfg, this_device()))
+    cpu_model, saved = load_model(cfg.paths.model)
     assert all(t.device.type == "cpu" for t in cpu_model.state_dict().values())
     gpu_model = load_model(cfg.paths.model)[0].to(CUDA)
     images, idx = torch.from_numpy(open_split(prepared, "val").pixels(range(64))), torch.arange(64)
-    transform = BatchTransform(payload["mean"], payload["std"], 0, False, 0, torch.device("cpu"), False)
+    transform = BatchTransform(saved.mean, saved.std, 0, False, 0, torch.device("cpu"), False)
     with torch.no_grad():
         on_cpu = cpu_model(transform(images, idx, None))
         on_gpu = gpu_model(transform(images, idx, None).to(CUDA)).cpu()
@@ -86,8 +91,8 @@ def test_augmentation_on_the_gpu_is_the_cpu_augmentation(prepared: Path) -> None
 
 
 def test_pinned_batches_reach_the_gpu_with_non_blocking_copies(prepared: Path) -> None:
-    cfg = load_config([f"paths.prepared={prepared}"], params_file=None)
-    data = TrainingData.load(cfg, load_meta(prepared), Compute(CUDA, "fp32", True), batch_size_per_rank=32, rank=0,
+    cfg = load_config([f"paths.prepared={prepared}", "train.batch_size_per_rank=32"], params_file=None)
+    data = TrainingData.load(resolve(cfg, CUDA), load_meta(prepared), Compute(CUDA, "fp32", True), rank=0,
                              world_size=1, num_workers=0)
     images, labels, _ = next(iter(data.train_batches(0)))
     assert images.is_pinned() and labels.is_pinned()
@@ -105,12 +110,13 @@ def test_encoded_images_decoded_by_loader_workers_reach_the_gpu_pinned(tmp_path:
 
     src = generate(tmp_path / "imgs", 60, 3)
     prepare(DataConfig(dataset="imagefolder", source_dir=str(src)), 0, tmp_path / "raw", tmp_path / "p", workers=1)
-    cfg = load_config([f"paths.prepared={tmp_path / 'p'}", "data.image_size=64", "seed=0"], params_file=None)
+    cfg = load_config([f"paths.prepared={tmp_path / 'p'}", "data.image_size=64", "seed=0",
+                       "train.batch_size_per_rank=8"], params_file=None)
     meta = load_meta(tmp_path / "p")
-    workers = TrainingData.load(cfg, meta, Compute(CUDA, "fp32", True), batch_size_per_rank=8, rank=0, world_size=1,
-                                num_workers=2)
-    plain = TrainingData.load(cfg, meta, Compute(torch.device("cpu"), "fp32", True), batch_size_per_rank=8, rank=0,
-                              world_size=1, num_workers=0)
+    run = resolve(cfg, CUDA)
+    workers = TrainingData.load(run, meta, Compute(CUDA, "fp32", True), rank=0, world_size=1, num_workers=2)
+    plain = TrainingData.load(run, meta, Compute(torch.device("cpu"), "fp32", True), rank=0, world_size=1,
+                              num_workers=0)
     try:
         for (images, labels, _), (expected, _, _) in zip(workers.train_batches(0), plain.train_batches(0)):
             assert images.is_pinned() and labels.is_pinned()
@@ -122,7 +128,7 @@ def test_encoded_images_decoded_by_loader_workers_reach_the_gpu_pinned(tmp_path:
 def test_channels_last_and_bf16_on_the_gpu_match_the_plain_layout() -> None:
     torch.manual_seed(0)
     plain = ResNetSmall(1, 10, 8)
-    fast = Compute.resolve(TrainConfig(precision="bf16"), CUDA)
+    fast = Compute(CUDA, "bf16", use_channels_last("auto", CUDA, "bf16"))
     assert fast.channels_last and fast.pin_memory  # auto: channels_last with bf16 on CUDA
     model = fast.place(ResNetSmall(1, 10, 8))
     model.load_state_dict(plain.state_dict())
@@ -163,9 +169,11 @@ def test_torch_sync_batchnorm_on_cuda_trains_like_batchnorm() -> None:
 
 
 def test_a_compiled_training_on_the_gpu(tiny_cfg, prepared: Path) -> None:
+    from ddpipe.launch import this_device
+    from ddpipe.resolved import resolve
     from ddpipe.training import train
 
-    metrics = train(_cfg(tiny_cfg, prepared, "train.compile=true", "train.precision=bf16"))
+    metrics = train(resolve(_cfg(tiny_cfg, prepared, "train.compile=true", "train.precision=bf16"), this_device()))
     assert metrics["val_accuracy"] > 0.5, metrics
 
 

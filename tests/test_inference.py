@@ -163,7 +163,7 @@ def test_a_network_of_ones_own_trains_evaluates_and_is_served_from_another_direc
     _serve_and_compare(tmp_path, prepared, uri, run_id, elsewhere)
 
 
-def test_the_model_is_logged_as_code_without_a_pickle_or_a_warning(tmp_path: Path, tiny_cfg,
+def test_the_model_is_logged_as_code_without_a_pickle_or_a_warning(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """log_model writes MLflow's models-from-code form: no python_model.pkl, no CloudPickle warning (MLflow logs
     it through its own logger, which does not propagate); the loaded model, from another directory, answers as
@@ -181,7 +181,6 @@ def test_the_model_is_logged_as_code_without_a_pickle_or_a_warning(tmp_path: Pat
             "image_size": [28, 28], "encoding": "raw"}
     save_model(build_model(model_cfg, 1, 10).state_dict(), model_cfg, meta, tmp_path / "m.pt",
                extra={"exported_epoch": 1})
-    cfg = tiny_cfg("mlflow.registered_model_name=code-model")
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
     experiment = mlflow.create_experiment("code", artifact_location=(tmp_path / "artifacts").as_uri())
     said: list[str] = []
@@ -192,7 +191,7 @@ def test_the_model_is_logged_as_code_without_a_pickle_or_a_warning(tmp_path: Pat
         with warnings.catch_warnings(record=True) as warned, mlflow.start_run(experiment_id=experiment) as run:
             warnings.simplefilter("always")
             logging.getLogger("mlflow.pyfunc").warning("the capture hears mlflow.pyfunc")
-            log_model(mlflow, run.info.run_id, tmp_path / "m.pt", _images(2), cfg)
+            log_model(mlflow, run.info.run_id, tmp_path / "m.pt", _images(2), "resnet_small", "code-model", "abc123")
     finally:
         logging.getLogger("mlflow").removeHandler(handler)
     heard = said + [str(w.message) for w in warned]
@@ -209,7 +208,7 @@ def test_the_model_is_logged_as_code_without_a_pickle_or_a_warning(tmp_path: Pat
     assert answer["label"].tolist() == expected["label"].tolist()
     assert np.array_equal(np.stack(answer["probabilities"]), np.stack(expected["probabilities"]))
     (version,) = mlflow.MlflowClient().search_model_versions("name = 'code-model'")
-    assert version.tags["run_id"] == run.info.run_id
+    assert version.tags["run_id"] == run.info.run_id and version.tags["git_commit"] == "abc123"
 
 
 def test_eval_flips_average_the_mirror_images_logits(tmp_path: Path) -> None:

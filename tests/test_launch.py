@@ -15,8 +15,9 @@ import yaml
 
 from ddpipe.config import ConfigError, DistributedConfig
 from ddpipe.hostshare import GpuLease
-from ddpipe.launch import Job, resolve_job, torchrun_command
-from ddpipe.preemption import EXIT_PREEMPTED
+from ddpipe.launch import torchrun_command
+from ddpipe.exits import EXIT_PREEMPTED
+from ddpipe.resolved import Job, resolve_job
 from tests.conftest import ROOT, args_for, run, subprocess_env
 
 
@@ -66,8 +67,8 @@ def test_mistakes_that_need_the_node_or_the_data_fail_before_torchrun(prepared: 
 
 def test_nproc_is_refused_above_the_cores_of_a_cpu_node(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    monkeypatch.setattr("ddpipe.launch.cpu_count", lambda: 4)
-    assert resolve_job(DistributedConfig(nproc_per_node="4")) == Job(4, 1, 1)
+    monkeypatch.setattr("ddpipe.resolved.cpu_count", lambda: 4)
+    assert resolve_job(DistributedConfig(nproc_per_node="4")) == Job(4, 1, 1, gpus_requested=4)
     assert resolve_job(DistributedConfig(nproc_per_node="auto", nnodes="2:4")) == Job(1, 2, 4)
     with pytest.raises(ConfigError, match="it has 4 CPU cores"):
         resolve_job(DistributedConfig(nproc_per_node="5"))
@@ -84,7 +85,7 @@ def test_on_a_gpu_host_the_launcher_runs_torchrun_on_the_gpus_it_leased(
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     checked, ran = [], []
     monkeypatch.setattr(launch, "preflight", lambda cfg, world_size: checked.append(world_size))
-    monkeypatch.setattr(launch, "run_forwarding_stops", lambda cmd, env=None: ran.append((cmd, env)) or 0)
+    monkeypatch.setattr(launch, "supervise", lambda cmd, env=None: ran.append((cmd, env)) or 0)
     registry = tmp_path / "gpus"
     monkeypatch.setattr(launch, "GpuLease", lambda gpus, count: GpuLease(gpus, count, registry, lambda: 2))
     with pytest.raises(SystemExit) as exit_:
@@ -102,20 +103,20 @@ def _signal_self_soon(signum: int, after: float) -> None:
 def test_a_stop_signal_is_passed_on_and_the_launcher_exits_75() -> None:
     """SIGTERM to the launcher reaches its child (torchrun in real use); the child's failure after a
     stop becomes 75, "resume me"."""
-    from ddpipe.launch import run_forwarding_stops
+    from ddpipe.launch import supervise
 
     child = [sys.executable, "-c", "import signal, sys, time; "
              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(3)); time.sleep(60); sys.exit(0)"]
     before = signal.getsignal(signal.SIGTERM)
     _signal_self_soon(signal.SIGTERM, 1.0)
     start = time.time()
-    assert run_forwarding_stops(child) == EXIT_PREEMPTED
+    assert supervise(child) == EXIT_PREEMPTED
     assert time.time() - start < 30  # the child ended on the forwarded signal, not its 60 s sleep
     assert signal.getsignal(signal.SIGTERM) == before  # the launcher's handlers are gone again
 
 
 def test_without_a_stop_the_child_exit_code_is_kept() -> None:
-    from ddpipe.launch import run_forwarding_stops
+    from ddpipe.launch import supervise
 
-    assert run_forwarding_stops([sys.executable, "-c", "raise SystemExit(4)"]) == 4
-    assert run_forwarding_stops([sys.executable, "-c", "pass"]) == 0
+    assert supervise([sys.executable, "-c", "raise SystemExit(4)"]) == 4
+    assert supervise([sys.executable, "-c", "pass"]) == 0

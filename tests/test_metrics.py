@@ -11,7 +11,7 @@ from ddpipe.data.loading import BatchKey, Splits, eval_batches
 from ddpipe.data.store import load_meta
 from ddpipe.data.transforms import BatchTransform
 from ddpipe.devices import Compute
-from ddpipe.distributed import DistInfo
+from ddpipe.ranks import DistInfo
 from ddpipe.metrics import evaluate_split
 from tests.conftest import spawn
 

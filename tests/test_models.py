@@ -12,6 +12,7 @@ import torchvision
 from torch import nn
 
 from ddpipe.config import ConfigError, ModelConfig
+from ddpipe.data.store import Prepared
 from ddpipe.models.pretrained import WeightsError, apply_pretrained, load_pretrained
 from ddpipe.models.registry import build_model, classifier_head, code_paths
 from ddpipe.models.saved import load_model, save_model
@@ -19,6 +20,7 @@ from tests.conftest import OWN_NET
 
 META = {"num_channels": 1, "classes": [str(i) for i in range(10)], "mean": [0.5], "std": [0.25],
         "image_size": [28, 28], "encoding": "raw"}
+FASHION_SHAPE = Prepared("random", META["classes"], 1, "raw", [28, 28], None, [0.5], [0.25], {"train": 100})
 
 
 @pytest.fixture
@@ -73,8 +75,8 @@ def test_a_network_of_ones_own_is_built_saved_and_rebuilt_with_its_kwargs(repo_d
     assert model.head.in_features == 5 * 14 * 14 and classifier_head(model, 10) == "head"
     assert code_paths(cfg.name) == [str(repo_dir / "mynets.py")]  # what the logged MLflow model carries
     save_model(model.state_dict(), cfg, META, repo_dir / "model.pt")
-    rebuilt, payload = load_model(repo_dir / "model.pt")
-    assert payload["model"]["kwargs"] == {"hidden": 5}
+    rebuilt, saved = load_model(repo_dir / "model.pt")
+    assert saved.model.kwargs == {"hidden": 5}
     x = torch.randn(2, 1, 28, 28)
     assert torch.equal(rebuilt(x), model.eval()(x))
 
@@ -188,14 +190,20 @@ def test_the_launcher_says_when_dvc_yaml_misses_the_networks_file(repo_dir: Path
                                                                  capsys: pytest.CaptureFixture) -> None:
     """An edit to mynets.py re-runs train and evaluate only if dvc.yaml lists it: the launcher checks."""
     from ddpipe.config import load_config
-    from ddpipe.launch import check_network
+    from ddpipe.launch import note_network
+    from ddpipe.network import build_network
+    from ddpipe.resolved import resolve
+
+    def check(*overrides: str) -> None:  # what the launcher's preflight does with the network
+        run = resolve(load_config(list(overrides), params_file=None), torch.device("cpu"), FASHION_SHAPE)
+        build_network(run)
+        note_network(run)
 
     (repo_dir / "dvc.yaml").write_text("stages:\n  train:\n    deps:\n      - stages/train.py\n")
-    cfg = load_config(["model.name=mynets:TinyNet"], params_file=None)
-    check_network(cfg, 1, 10, 28)
+    check("model.name=mynets:TinyNet")
     assert "lives in mynets.py, which dvc.yaml does not list" in capsys.readouterr().err
     (repo_dir / "dvc.yaml").write_text("stages:\n  train:\n    deps:\n      - mynets.py\n")
-    check_network(cfg, 1, 10, 28)
+    check("model.name=mynets:TinyNet")
     assert capsys.readouterr().err == ""
-    check_network(load_config(["model.name=resnet18"], params_file=None), 1, 10, 28)
+    check("model.name=resnet18")
     assert "the small-image variant this name meant before is 'resnet18_cifar'" in capsys.readouterr().err

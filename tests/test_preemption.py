@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from ddpipe.preemption import EXIT_PREEMPTED
+from ddpipe.exits import EXIT_PREEMPTED
 from tests.conftest import (
     CLONE_ENV,
     GIT_ENV,

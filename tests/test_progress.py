@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ddpipe.distributed import DistInfo
+from ddpipe.ranks import DistInfo
 from ddpipe.metrics import EpochProgress
 from ddpipe.progress import LINE_EVERY_S, LineProgress, NullProgress, Progress, make_progress
 

@@ -3,12 +3,14 @@ workers alike (ddpipe.resolved)."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
 
-from ddpipe import devices
+from ddpipe import resolved
+from ddpipe.checkpoint import run_fingerprint
 from ddpipe.config import ConfigError, load_config
 from ddpipe.resolved import resolve
 
@@ -21,13 +23,13 @@ CPU = torch.device("cpu")
 ])
 def test_auto_model_and_batch_follow_the_device(monkeypatch: pytest.MonkeyPatch, prepared: Path, amx: bool,
                                                  device: str, expected: tuple[str, int]) -> None:
-    monkeypatch.setattr(devices, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(resolved, "cpu_has_amx", lambda: amx)
     cfg = load_config([f"paths.prepared={prepared}"])  # params.yaml: both auto
     run = resolve(cfg, torch.device(device))
-    assert (run.cfg.model.name, run.batch_size_per_rank) == expected and run.model_was_auto
+    assert (run.model_name, run.batch_size_per_rank) == expected and run.model_was_auto
     assert run.eval_batch_size_per_rank == 2 * expected[1]  # auto: twice the training batch
     assert cfg.model.name == "auto" and cfg.train.batch_size_per_rank == "auto"  # what the user set, untouched
-    assert run.input_size == [28, 28] and run.device_kind == devices.device_kind(torch.device(device))
+    assert run.input_size == [28, 28] and run.device_kind == resolved.device_kind(torch.device(device))
 
 
 def test_explicit_values_are_kept_and_typed(prepared: Path) -> None:
@@ -35,7 +37,7 @@ def test_explicit_values_are_kept_and_typed(prepared: Path) -> None:
                        "train.grad_accum_steps=2"])
     for device in ("cpu", "cuda"):
         run = resolve(cfg, torch.device(device))
-        assert (run.cfg.model.name, run.batch_size_per_rank) == ("seed_cnn", 32) and not run.model_was_auto
+        assert (run.model_name, run.batch_size_per_rank) == ("seed_cnn", 32) and not run.model_was_auto
         assert isinstance(run.batch_size_per_rank, int) and isinstance(run.eval_batch_size_per_rank, int)
     assert run.global_batch_size(2) == 128 and run.steps_per_epoch(2) == run.meta.sizes["train"] // 2 // 32 // 2 > 0
     params = run.params()  # what MLflow records: the values auto took, as ints
@@ -55,5 +57,8 @@ def test_the_fingerprint_tells_torchvisions_resnet18_from_the_small_stem_one(pre
     new = resolve(load_config([*base, "model.name=resnet18"]), CPU)
     old = resolve(load_config([*base, "model.name=resnet18_cifar"]), CPU)
     assert new.trajectory()["model.torchvision_stem"] is True and "model.torchvision_stem" not in old.trajectory()
-    assert new.fingerprint(1, 0.003, new.meta) != old.fingerprint(1, 0.003, old.meta)
-    assert new.fingerprint(2, 0.003, new.meta) != new.fingerprint(1, 0.003, new.meta)  # the global batch differs
+    def fingerprint(run: resolved.Resolved, world_size: int) -> str:  # as the trainer makes it
+        return run_fingerprint(run.trajectory(), run.global_batch_size(world_size), 0.003, asdict(run.meta))
+
+    assert fingerprint(new, 1) != fingerprint(old, 1)
+    assert fingerprint(new, 2) != fingerprint(new, 1)  # the global batch differs

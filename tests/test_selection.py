@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ddpipe.config import TrainConfig
-from ddpipe.preemption import EXIT_PREEMPTED
+from ddpipe.exits import EXIT_PREEMPTED
 from ddpipe.selection import ModelSelection
 from tests.conftest import CLONE_ENV, ROOT, args_for, run, same_weights, subprocess_env, weights
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ddpipe.config import Config, DistributedConfig, MlflowConfig, load_config
-from ddpipe.distributed import DistInfo
+from ddpipe.ranks import DistInfo
 from ddpipe.launch import torchrun_command
 from ddpipe.runstore import dvc_hash, tracking_uri
 from ddpipe.tracking import MlflowTracker, NullTracker, make_tracker
@@ -293,7 +293,7 @@ def _runs(tmp: Path, experiment: str = "ddpipe") -> list:
 
 
 def test_end_reasons_name_the_cause() -> None:
-    from ddpipe.preemption import Preempted
+    from ddpipe.exits import Preempted
     from ddpipe.tracking import end_reason
 
     assert end_reason(KeyboardInterrupt()) == ("KILLED", "interrupted by SIGINT (Ctrl-C)")
@@ -304,20 +304,22 @@ def test_end_reasons_name_the_cause() -> None:
 
 @pytest.mark.slow
 def test_a_training_that_raises_ends_failed(tmp_path: Path, prepared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddpipe.launch import this_device
+    from ddpipe.resolved import resolve
     from ddpipe.training import Trainer, train
 
-    real = Trainer.run_epoch
+    real = Trainer.train_epoch
 
     def second_epoch_breaks(self, epoch: int, *args):
         if epoch == 1:
             raise RuntimeError("disk full while writing activations")
         return real(self, epoch, *args)
 
-    monkeypatch.setattr(Trainer, "run_epoch", second_epoch_breaks)
+    monkeypatch.setattr(Trainer, "train_epoch", second_epoch_breaks)
     # mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI to this process; monkeypatch restores it after
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     with pytest.raises(RuntimeError, match="disk full"):
-        train(load_config(args_for(tmp_path, prepared), params_file=PARAMS))
+        train(resolve(load_config(args_for(tmp_path, prepared), params_file=PARAMS), this_device()))
     (r,) = _runs(tmp_path)
     assert r.info.status == "FAILED"
     assert r.data.tags["ddpipe.end_reason"] == "RuntimeError: disk full while writing activations"

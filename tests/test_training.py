@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from ddpipe.models.saved import load_model
+from ddpipe.launch import this_device
+from ddpipe.resolved import resolve
 from ddpipe.training import train
 from tests.conftest import ROOT, args_for, max_rel_diff, run, spawn, subprocess_env, torchrun, weights
 
@@ -22,8 +24,8 @@ from tests.conftest import ROOT, args_for, max_rel_diff, run, spawn, subprocess_
 @pytest.mark.slow
 def test_plain_process_trains_and_writes_every_output(tmp_path: Path, prepared: Path) -> None:
     run(["python", "stages/train.py", *args_for(tmp_path, prepared)])
-    model, payload = load_model(tmp_path / "model.pt")
-    assert payload["classes"] == [str(i) for i in range(10)]
+    model, saved = load_model(tmp_path / "model.pt")
+    assert saved.classes == [str(i) for i in range(10)]
     metrics = json.loads((tmp_path / "train.json").read_text())["train"]
     assert metrics["epochs"] == 2 and metrics["val_accuracy"] > 0.5  # the bars are easy to learn
     history = (tmp_path / "history.csv").read_text().splitlines()
@@ -32,13 +34,13 @@ def test_plain_process_trains_and_writes_every_output(tmp_path: Path, prepared: 
 
 
 def test_train_in_process_on_the_real_config_shrunk(tiny_cfg, prepared: Path) -> None:
-    """``train(cfg)`` called directly (one plain process, no launcher): the shape of what a run leaves."""
+    """``train(run)`` called directly (one plain process, no launcher): the shape of what a run leaves."""
     cfg = tiny_cfg(f"paths.prepared={prepared}", "train.hflip=false", "num_epochs=1", "mlflow.log_model=false",
                    "mlflow.log_system_metrics=false", "train.checkpoint_every_steps=2")
-    metrics = train(cfg)
+    metrics = train(resolve(cfg, this_device()))
     assert metrics["epochs"] == 1 and metrics["world_size"] == 1 and 0.0 <= metrics["val_accuracy"] <= 1.0
     assert json.loads(Path(cfg.paths.train_metrics).read_text())["train"] == pytest.approx(metrics)
-    assert load_model(cfg.paths.model)[1]["exported_epoch"] == 1
+    assert load_model(cfg.paths.model)[1].exported_epoch == 1
     assert len(Path(cfg.paths.history).read_text().splitlines()) == 2
     assert json.loads(Path(cfg.paths.run_info).read_text())["run_id"]
     # the epoch-end checkpoint, plus the newest mid-epoch one (keep_checkpoints = 2)
@@ -52,7 +54,7 @@ def test_a_training_logged_to_a_file_reads_as_plain_lines(tiny_cfg, prepared: Pa
     before each epoch's line, with no carriage return and no line a reader has to scroll."""
     cfg = tiny_cfg(f"paths.prepared={prepared}", "num_epochs=2", "train.progress_bar=true", "mlflow.log_model=false",
                    "mlflow.log_system_metrics=false")
-    train(cfg)
+    train(resolve(cfg, this_device()))
     out, err = capsys.readouterr()
     assert "\r" not in out + err and max(len(line) for line in (out + err).splitlines()) <= 300
     progress = [line for line in err.splitlines() if ": step " in line]
@@ -188,7 +190,7 @@ def test_same_seed_twice_gives_the_same_metrics(tmp_path: Path, prepared: Path) 
 
 def _wrap_rank(rank: int, world: int) -> None:
     from ddpipe.batchnorm import convert_sync_batchnorm
-    from ddpipe.distributed import DistInfo
+    from ddpipe.ranks import DistInfo
     from ddpipe.training import wrap
 
     info = DistInfo(distributed=True, rank=rank, local_rank=rank, world_size=world, local_world_size=world,

@@ -21,7 +21,7 @@ def load_or_exit(argv: list[str], script: str) -> Config:
         return load_config(argv)
 
 
-def run_stage(work: Callable[[Config], object], script: str, errors: tuple[type[Exception], ...] = ()) -> None:
+def execute_stage(work: Callable[[Config], object], script: str, errors: tuple[type[Exception], ...] = ()) -> None:
     """Load the config from the command line and run ``work``; errors the user can fix (bad
     parameters, missing or corrupt data) print one message and exit non-zero, without a traceback."""
     cfg = load_or_exit(sys.argv[1:], script)

@@ -68,6 +68,8 @@ DATASETS = ("fashion_mnist", "mnist", "cifar10", "imagefolder")
 # model.name: ddpipe's own networks by these names; any other word names a torchvision (or timm) classification
 # model, and "module:Class" a class of the user's (ddpipe.models.registry checks the name before any work)
 OWN_MODELS = ("resnet_small", "resnet_compact", "seed_cnn", "resnet18_cifar", "resnet34_cifar", "resnet50_cifar")
+# What a config written before torchvision's names were accepted meant by these (a small-image stem)
+RENAMED = {"resnet18": "resnet18_cifar", "resnet34": "resnet34_cifar", "resnet50": "resnet50_cifar"}
 
 
 @dataclass

@@ -154,14 +154,18 @@ def _model(client: Any, journal: Any, run_id: str, rec: dict) -> None:
 
     from ddpipe.config import load_config
     from ddpipe.inference import log_model
+    from ddpipe.runstore import git_tags
 
     with tempfile.TemporaryDirectory() as tmp:
         params = Path(tmp) / "params.yaml"
         params.write_text(rec["config"])
         cfg = load_config(params_file=params)
+    # the network's name as the run resolved it (records written before it was kept hold it in their config)
+    model_name = rec.get("model_name") or cfg.model.name
     active = mlflow.start_run(run_id=run_id, log_system_metrics=False)
     try:
-        log_model(mlflow, run_id, Path(rec["model"]), np.load(rec["example"]), cfg)
+        log_model(mlflow, run_id, Path(rec["model"]), np.load(rec["example"]), model_name,
+                  cfg.mlflow.registered_model_name, git_tags()["git_commit"])
     finally:
         fluent._active_run_stack.get().remove(active)  # not end_run: the run's own records set its status
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,27 +25,7 @@ from torch import nn
 from ddpipe import hostcomm
 from ddpipe.config import DistributedConfig
 from ddpipe.devices import cpu_count
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    """Who this process is. ``distributed`` is True when a process group exists (under torchrun); the
-    defaults describe one plain CPU process."""
-
-    distributed: bool = False
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    local_world_size: int = 1
-    num_nodes: int = 1
-    device: torch.device = torch.device("cpu")
-    backend: str | None = None
-    processes_on_host: int = 1  # this job's processes on this host (several agents may share one)
-    sums: str = "none"  # how sums over ranks travel: "shared memory" (ddpipe.hostcomm), "gloo"/"nccl", or "none"
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+from ddpipe.ranks import DistInfo
 
 
 def _env_int(name: str, default: int) -> int:
@@ -74,9 +54,9 @@ def _processes_on_this_host(local_world_size: int) -> int:
     return max(local_world_size, names.count(socket.gethostname()))
 
 
-def init_distributed(cfg: DistributedConfig) -> DistInfo:
-    """Bind this process to its device, set its CPU threads, and join the process group if launched
-    by torchrun. Each rank takes its device from LOCAL_RANK."""
+def init_distributed(cfg: DistributedConfig, backend: str) -> DistInfo:
+    """Bind this process to its device, set its CPU threads, and join the process group on ``backend`` (nccl or
+    gloo, resolved: ``ddpipe.resolved``) if launched by torchrun. Each rank takes its device from LOCAL_RANK."""
     under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -86,10 +66,7 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    backend = None
-    if under_launcher:
-        # launch.preflight refused nccl without CUDA before any worker started
-        backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if under_launcher:  # nccl without CUDA was refused when the run was resolved
         dist.init_process_group(
             backend=backend, store=_attempt_store(rank, world_size, cfg.timeout_s), rank=rank,
             world_size=world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s),
@@ -103,8 +80,9 @@ def init_distributed(cfg: DistributedConfig) -> DistInfo:
         torch.set_num_threads(cfg.threads_per_process or max(1, cpu_count() // sharing))
     num_nodes = max(1, world_size // max(1, local_world_size))
     return DistInfo(distributed=under_launcher, rank=rank, local_rank=local_rank, world_size=world_size,
-                    local_world_size=local_world_size, num_nodes=num_nodes, device=device, backend=backend,
-                    processes_on_host=sharing, sums=backend or "none")
+                    local_world_size=local_world_size, num_nodes=num_nodes, device=device,
+                    backend=backend if under_launcher else None, processes_on_host=sharing,
+                    sums=backend if under_launcher else "none")
 
 
 def open_host_sums(cfg: DistributedConfig, info: DistInfo) -> DistInfo:

@@ -12,17 +12,17 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ddpipe.config import TrainConfig
 from ddpipe.models.registry import classifier_head
 
 
 class FineTuning:
     """Which parameters are the head's, their learning rates, and the body's freezing by epoch."""
 
-    def __init__(self, cfg: TrainConfig, module: nn.Module, num_classes: int) -> None:
-        self.ratio = cfg.body_lr_ratio
-        self.freeze = cfg.freeze_body_epochs  # an int as text, or "all"
-        self.active = self.ratio != 1.0 or self.freeze != "0"
+    def __init__(self, body_lr_ratio: float, freeze_body_epochs: int | None, module: nn.Module,
+                 num_classes: int) -> None:
+        """``train.body_lr_ratio`` and ``train.freeze_body_epochs`` (None: frozen for good) for ``module``."""
+        self.ratio, self.freeze = body_lr_ratio, freeze_body_epochs
+        self.active = self.ratio != 1.0 or self.freeze != 0
         # the head by name: make_exact and SyncBatchNorm keep every module's name when they swap layers
         self.head = classifier_head(module, num_classes) if self.active else ""
         self.frozen = False
@@ -41,7 +41,7 @@ class FineTuning:
                 {"params": [p for n, p in named if not self.in_head(n)], "lr": lr * self.ratio}]
 
     def body_frozen(self, epoch: int) -> bool:
-        return self.freeze == "all" or epoch < int(self.freeze)
+        return self.freeze is None or epoch < self.freeze
 
     def set_epoch(self, module: nn.Module, epoch: int) -> bool:
         """Freeze or thaw the body for ``epoch``; whether that changed anything (then re-wrap in DDP)."""

@@ -32,32 +32,31 @@ import torch
 import torch.nn.functional as F
 from mlflow.pyfunc import PythonModelContext
 
-from ddpipe.config import Config
 from ddpipe.data.transforms import BatchTransform, EvalCrop
 from ddpipe.models.nets import predict_logits
 from ddpipe.models.registry import code_paths
-from ddpipe.models.saved import load_model
+from ddpipe.models.saved import SavedModel, load_model
 
 
 class ImageClassifier:
     """A saved model (``paths.model``) with its normalisation and class names, ready to predict."""
 
-    def __init__(self, model: torch.nn.Module, payload: dict, device: torch.device | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, saved: SavedModel, device: torch.device | None = None) -> None:
         self.device = device or torch.device("cpu")
         self.model = model.to(self.device).eval()
-        self.classes: list[str] = list(payload["classes"])
-        self.num_channels = int(payload["num_channels"])
-        self.image_size = tuple(int(s) for s in payload["image_size"])
-        self.exported_epoch = payload.get("exported_epoch")
-        self.flips = bool(payload["model"].get("eval_flips", False))  # models saved before the key: off
-        self.encoding = payload.get("encoding", "raw")  # models saved before encoded data: raw
+        self.classes: list[str] = saved.classes
+        self.num_channels = saved.num_channels
+        self.image_size = tuple(saved.image_size)
+        self.exported_epoch = saved.exported_epoch
+        self.flips = saved.model.eval_flips
+        self.encoding = saved.encoding
         # crop padding 0, no flips: evaluation's transform, never the training augmentation
-        self.normalise = BatchTransform(payload["mean"], payload["std"], 0, False, 0, self.device, False)
+        self.normalise = BatchTransform(saved.mean, saved.std, 0, False, 0, self.device, False)
 
     @classmethod
     def load(cls, path: str | Path, device: torch.device | None = None) -> ImageClassifier:
-        model, payload = load_model(path)
-        return cls(model, payload, device)
+        model, saved = load_model(path)
+        return cls(model, saved, device)
 
     @torch.no_grad()
     def logits(self, images: torch.Tensor) -> torch.Tensor:
@@ -177,11 +176,12 @@ mlflow.models.set_model(MlflowImageClassifier())
 '''
 
 
-def log_model(mlflow: Any, run_id: str, model_path: Path, input_example: Any, cfg: Config) -> None:
-    """``model_path`` (``paths.model``) into the active run ``run_id`` as a pyfunc :class:`MlflowImageClassifier`
-    that a client calls with plain images, logged as code (:data:`MODEL_CODE`: no pickle); registered as a new
-    version when ``mlflow.registered_model_name`` is set. Nothing is logged when the run already holds this model
-    (see :func:`_has_model`)."""
+def log_model(mlflow: Any, run_id: str, model_path: Path, input_example: Any, model_name: str,
+              registered_model_name: str | None, git_commit: str) -> None:
+    """``model_path`` (``paths.model``, a network ``model_name``) into the active run ``run_id`` as a pyfunc
+    :class:`MlflowImageClassifier` that a client calls with plain images, logged as code (:data:`MODEL_CODE`: no
+    pickle); registered as a new version of ``registered_model_name`` when set, tagged with ``git_commit``.
+    Nothing is logged when the run already holds this model (see :func:`_has_model`)."""
     classifier = ImageClassifier.load(model_path)
     if _has_model(mlflow, run_id, classifier.exported_epoch):
         print(f"MLflow run {run_id} already holds this model; not logging it again", flush=True)
@@ -189,20 +189,17 @@ def log_model(mlflow: Any, run_id: str, model_path: Path, input_example: Any, cf
     with tempfile.TemporaryDirectory() as tmp:
         code = Path(tmp) / MODEL_CODE_FILE
         code.write_text(MODEL_CODE)
-        info = _log_pyfunc(mlflow, code, model_path, input_example, cfg, classifier)
+        info = _log_pyfunc(mlflow, code, model_path, input_example, model_name, registered_model_name, classifier)
     mlflow.set_tag("ddpipe.logged_model_epoch", str(classifier.exported_epoch))
-    if cfg.mlflow.registered_model_name and info.registered_model_version:
-        from ddpipe.runstore import git_tags  # not at the top: the served model ships this module, not the store's
-
+    if registered_model_name and info.registered_model_version:
         client = mlflow.MlflowClient()
-        for key, value in {"dvc_exp_name": os.environ.get("DVC_EXP_NAME", ""),
-                           "git_commit": git_tags()["git_commit"], "run_id": run_id}.items():
-            client.set_model_version_tag(cfg.mlflow.registered_model_name, str(info.registered_model_version),
-                                         key, value)
+        for key, value in {"dvc_exp_name": os.environ.get("DVC_EXP_NAME", ""), "git_commit": git_commit,
+                           "run_id": run_id}.items():
+            client.set_model_version_tag(registered_model_name, str(info.registered_model_version), key, value)
 
 
-def _log_pyfunc(mlflow: Any, code: Path, model_path: Path, input_example: Any, cfg: Config,
-                classifier: ImageClassifier) -> Any:
+def _log_pyfunc(mlflow: Any, code: Path, model_path: Path, input_example: Any, model_name: str,
+                registered_model_name: str | None, classifier: ImageClassifier) -> Any:
     """``mlflow.pyfunc.log_model`` of the model defined by the file ``code`` (:data:`MODEL_CODE`); its ModelInfo."""
     return mlflow.pyfunc.log_model(
         name="model", python_model=str(code), artifacts={"weights": str(model_path)},
@@ -210,14 +207,14 @@ def _log_pyfunc(mlflow: Any, code: Path, model_path: Path, input_example: Any, c
         signature=mlflow.models.ModelSignature(outputs=prediction_schema()), input_example=input_example,
         # ddpipe itself (which MODEL_CODE imports), and a network of the user's (model.name module:Class) with its
         # file or package
-        code_paths=[str(Path(__file__).parent), *code_paths(cfg.model.name)],
+        code_paths=[str(Path(__file__).parent), *code_paths(model_name)],
         pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
                           f"torchvision=={_torchvision_version()}", "omegaconf", "numpy", "pandas"],
         metadata={"classes": classifier.classes, "image_size": list(classifier.image_size),
                   "num_channels": classifier.num_channels, "exported_epoch": classifier.exported_epoch,
                   "input": "uint8 pixels (N x H x W or N x C x H x W) or floats in [0, 1]",
                   "output": "label, class_index, probability, probabilities (class order)"},
-        registered_model_name=cfg.mlflow.registered_model_name,
+        registered_model_name=registered_model_name,
     )
 
 

@@ -13,7 +13,7 @@ stages/train.py), with the same checkout and prepared data on every node.
 
 A scheduler's stop (SIGTERM, or SIGUSR1 ahead of a time limit) is passed on to torchrun, which passes
 it to the workers: they stop at a step, rank 0 checkpoints it, and this command exits with 75
-(``ddpipe.preemption.EXIT_PREEMPTED``): run it again to resume. Under Kubernetes this process is the
+(``ddpipe.exits.EXIT_PREEMPTED``): run it again to resume. Under Kubernetes this process is the
 container's PID 1, the only one the kubelet signals.
 """
 
@@ -26,7 +26,6 @@ import signal
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
@@ -34,15 +33,13 @@ import torch
 
 from ddpipe.access import check_access
 from ddpipe.cli import load_or_exit
-from ddpipe.config import Config, ConfigError, DistributedConfig, user_errors
+from ddpipe.config import RENAMED, Config, ConfigError, DistributedConfig, user_errors
 from ddpipe.data.store import PreparedDataError
-from ddpipe.devices import cpu_count, resolve_precision
-from ddpipe.exact import check_exact
-from ddpipe.finetune import FineTuning
+from ddpipe.exits import EXIT_PREEMPTED, STOP_SIGNALS
 from ddpipe.hostshare import GpuLease, visible_gpus
-from ddpipe.models.pretrained import apply_pretrained, load_pretrained
-from ddpipe.models.registry import RENAMED, build_model, module_file
-from ddpipe.resolved import Resolved, resolve
+from ddpipe.models.registry import module_file
+from ddpipe.network import build_network
+from ddpipe.resolved import Resolved, resolve, resolve_job
 
 PACKAGED_TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "stages" / "train.py"
 
@@ -111,36 +108,6 @@ def cluster_nodes(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 CHECKED_ENV = "DDPIPE_LAUNCH_CHECKED"
 
 
-@dataclass(frozen=True)
-class Job:
-    """This node's part of a job, ``distributed.nproc_per_node`` and ``distributed.nnodes`` resolved."""
-
-    nproc_per_node: int
-    min_nodes: int
-    max_nodes: int
-
-    @property
-    def max_world_size(self) -> int:
-        """Processes in the job at its largest (an elastic ``MIN:MAX`` job's largest global batch)."""
-        return self.nproc_per_node * self.max_nodes
-
-
-def resolve_job(d: DistributedConfig) -> Job:
-    """Processes on this node and the job's nodes. ``auto``: one process per visible GPU; on a CPU-only machine
-    one process that uses every core as intra-op threads, which measured faster than one single-thread process
-    per core (BENCHMARKS.md, "DDP overhead"). An int is refused above the GPUs (CUDA) or cores (CPU)."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    nodes = [int(n) for n in d.nnodes.split(":")]  # N or MIN:MAX, checked by config.validate
-    if d.nproc_per_node == "auto":
-        return Job(gpus or 1, nodes[0], nodes[-1])
-    nproc = int(d.nproc_per_node)
-    limit, what = (gpus, "visible GPUs") if gpus else (cpu_count(), "CPU cores this process may use")
-    if nproc > limit:
-        raise ConfigError(f"distributed.nproc_per_node = {nproc} is not accepted on this node: it has {limit} "
-                          f"{what}; accepted: 1 to {limit}, or auto")
-    return Job(nproc, nodes[0], nodes[-1])
-
-
 def this_device() -> torch.device:
     """The kind of device this node's workers train on (each takes its own GPU: ``ddpipe.distributed``)."""
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -148,45 +115,28 @@ def this_device() -> torch.device:
 
 def preflight(cfg: Config, world_size: int) -> Resolved:
     """Every check that needs this node's devices, the prepared data or the network, for a job of ``world_size``
-    processes, run before torchrun starts any worker (workers it started skip them: :data:`CHECKED_ENV`); the
-    configuration resolved for this node. The network is built once here, with its pretrained weights (a
-    torchvision name is downloaded into torch hub's cache here, once, not by every worker), so a wrong name,
-    keyword or weights file fails now."""
-    device = this_device()
-    run = resolve(cfg, device)
-    resolve_precision(cfg.train.precision, device)
-    if cfg.distributed.backend == "nccl" and device.type != "cuda":
-        raise ConfigError("distributed.backend = 'nccl' needs CUDA GPUs; accepted here: auto or gloo")
-    if cfg.distributed.exact and device.type != "cpu":
-        raise ConfigError("distributed.exact = True is not accepted on CUDA (cuDNN picks its algorithms by "
-                          "batch size, so results depend on the split); accepted there: false")
-    check_network(run.cfg, run.meta.num_channels, len(run.meta.classes), run.input_size[0])
+    processes, run before torchrun starts any worker (workers it started skip them: :data:`CHECKED_ENV`); the run
+    resolved for this node. The network is built once here, with its pretrained weights (a torchvision name is
+    downloaded into torch hub's cache here, once, not by every worker), so a wrong name, keyword or weights file
+    fails now."""
+    run = resolve(cfg, this_device())
+    build_network(run)
+    note_network(run)
     run.check_world_size(world_size)
     return run
 
 
-def check_network(cfg: Config, num_channels: int, num_classes: int, side: int) -> None:
-    """model.name (concrete), model.kwargs and model.weights make a network for ``side``-px images (and exact mode
-    supports it); the fine-tuning keys find its classifier head. ConfigError (WeightsError for the weights)
-    otherwise."""
-    model = build_model(cfg.model, num_channels, num_classes)
-    try:
-        if cfg.model.weights:
-            apply_pretrained(model, load_pretrained(cfg.model.weights), num_classes)
-        FineTuning(cfg.train, model, num_classes)  # finds the classifier head when fine-tuning needs one
-        if cfg.distributed.exact:
-            check_exact(model)
-    except ConfigError:
-        raise
-    except ValueError as exc:
-        raise ConfigError(f"{exc} (model.name = {cfg.model.name!r})") from None
-    if cfg.model.name in RENAMED and side <= 64:
-        print(f"note: model.name = {cfg.model.name!r} is torchvision's network, whose stem shrinks a {side}-px "
+def note_network(run: Resolved) -> None:
+    """What the launcher says of the network's name: an old small-image name that now means torchvision's network,
+    and a network of the user's whose file dvc.yaml does not list."""
+    name, side = run.model_name, run.input_size[0]
+    if name in RENAMED and side <= 64:
+        print(f"note: model.name = {name!r} is torchvision's network, whose stem shrinks a {side}-px "
               f"image 4x before its first block; the small-image variant this name meant before is "
-              f"{RENAMED[cfg.model.name]!r} (README, 'Any network')", file=sys.stderr, flush=True)
-    source = module_file(cfg.model.name)
+              f"{RENAMED[name]!r} (README, 'Any network')", file=sys.stderr, flush=True)
+    source = module_file(name)
     if source is not None and Path("dvc.yaml").is_file() and str(source) not in Path("dvc.yaml").read_text():
-        print(f"warning: model.name = {cfg.model.name!r} lives in {source}, which dvc.yaml does not list: add it "
+        print(f"warning: model.name = {name!r} lives in {source}, which dvc.yaml does not list: add it "
               "to the train and evaluate stages' deps, or DVC will not re-run them when it changes (README, "
               "'Your own network')", file=sys.stderr, flush=True)
 
@@ -221,23 +171,23 @@ def main(argv: list[str] | None = None) -> None:
     if on_every_node and cfg.distributed.nnodes != "1" and "--print" not in argv:
         # a cluster job's train stage runs on its first node: one launcher per node, each checks its own node
         print(" ".join(on_every_node), flush=True)
-        _exit(run_forwarding_stops(on_every_node, {k: v for k, v in os.environ.items() if k != NODES_ENV}))
+        _exit(supervise(on_every_node, {k: v for k, v in os.environ.items() if k != NODES_ENV}))
     if "--print" in argv or not torch.cuda.is_available() or cfg.distributed.nnodes != "1":
         cmd = torchrun_command(cfg.distributed, job.nproc_per_node, overrides)
         print(" ".join(cmd), flush=True)
         if "--print" not in argv:
-            _exit(run_forwarding_stops(cmd, env))
+            _exit(supervise(cmd, env))
         return
     # GPUs on one host: leased while torchrun runs, so trainings at once split them (ddpipe.hostshare)
     nproc = job.nproc_per_node
-    with GpuLease(visible_gpus(), None if cfg.distributed.nproc_per_node == "auto" else nproc) as lease:
+    with GpuLease(visible_gpus(), job.gpus_requested) as lease:
         if len(lease.gpus) != nproc:  # an `auto` training's share: the job is smaller, check it again
             nproc = len(lease.gpus)
             with user_errors(PreparedDataError, context=f" (with {nproc} of this host's GPUs: {','.join(lease.gpus)})"):
                 preflight(cfg, nproc)
         cmd = torchrun_command(cfg.distributed, nproc, overrides)
         print(f"CUDA_VISIBLE_DEVICES={','.join(lease.gpus)} {' '.join(cmd)}", flush=True)
-        code = run_forwarding_stops(cmd, {**env, "CUDA_VISIBLE_DEVICES": ",".join(lease.gpus)})
+        code = supervise(cmd, {**env, "CUDA_VISIBLE_DEVICES": ",".join(lease.gpus)})
     _exit(code)
 
 
@@ -246,22 +196,18 @@ def _exit(code: int) -> NoReturn:
     scheduler cancels the other nodes' tasks as soon as one exits (SLURM's srun --kill-on-bad-exit), and
     that SIGTERM, arriving while this interpreter shuts down, would turn this node's 75 into a kill and
     the job would not be requeued."""
-    from ddpipe.preemption import EXIT_PREEMPTED, STOP_SIGNALS
-
     if code == EXIT_PREEMPTED:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
     raise SystemExit(code)
 
 
-def run_forwarding_stops(cmd: list[str], env: dict[str, str] | None = None) -> int:
-    """Run torchrun, passing on the signals a scheduler stops jobs with; its exit code, or
+def supervise(cmd: list[str], env: dict[str, str] | None = None) -> int:
+    """Run torchrun (``cmd``), passing on the signals a scheduler stops jobs with; its exit code, or
     EXIT_PREEMPTED if a stop (SIGTERM, SIGUSR1) ended it: the workers checkpointed their step.
 
     SIGINT is not passed on: Ctrl-C reaches torchrun from the terminal itself, in the same process group.
     """
-    from ddpipe.preemption import EXIT_PREEMPTED, STOP_SIGNALS
-
     stopped: list[int] = []
     child: subprocess.Popen | None = None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,7 @@ from ddpipe.data.loading import real_sample_mask
 from ddpipe.data.transforms import BatchTransform
 from ddpipe.devices import Compute
 from ddpipe.models.nets import predict_logits
+from ddpipe.ranks import DistInfo
 
 
 @dataclass
@@ -32,13 +33,13 @@ class EpochStats:
     epoch_seconds: float
 
     @classmethod
-    def from_sums(cls, epoch: int, sums: torch.Tensor, seconds: float, val_loss: float, val_accuracy: float,
-                  lr: float) -> EpochStats:
-        """Epoch ``epoch`` (0-based) from its training sums over every rank [loss sum, correct, count]."""
-        return cls(epoch=epoch + 1, train_loss=(sums[0] / sums[2].clamp_min(1)).item(),
-                   train_accuracy=(sums[1] / sums[2].clamp_min(1)).item(), val_loss=val_loss,
-                   val_accuracy=val_accuracy, lr=lr, images_per_s=sums[2].item() / seconds if seconds > 0 else 0.0,
-                   epoch_seconds=seconds)
+    def from_progress(cls, epoch: int, done: EpochProgress, val_loss: float, val_accuracy: float,
+                      lr: float) -> EpochStats:
+        """Epoch ``epoch`` (0-based) from its training over every rank (``done``) and its validation."""
+        seen = max(done.count, 1.0)
+        return cls(epoch=epoch + 1, train_loss=done.loss_sum / seen, train_accuracy=done.correct / seen,
+                   val_loss=val_loss, val_accuracy=val_accuracy, lr=lr,
+                   images_per_s=done.count / done.seconds if done.seconds > 0 else 0.0, epoch_seconds=done.seconds)
 
     def summary(self, num_epochs: int) -> str:
         """The epoch's line in the training log."""
@@ -50,7 +51,7 @@ class EpochStats:
 @dataclass(frozen=True)
 class EpochProgress:
     """An epoch's training so far: its loss sum, correct predictions and samples, and its seconds. Summed over
-    every rank, it is what a mid-epoch checkpoint records (as float64[4], :meth:`as_tensor`) and a resumed epoch
+    every rank, it is what a mid-epoch checkpoint records (:meth:`as_state`) and a resumed epoch
     continues from; one rank's, what the progress bar shows."""
 
     loss_sum: float = 0.0
@@ -58,21 +59,30 @@ class EpochProgress:
     count: float = 0.0
     seconds: float = 0.0
 
-    def as_tensor(self) -> torch.Tensor:
-        """The checkpoint's form: float64 [loss_sum, correct, count, seconds]."""
-        return torch.tensor([self.loss_sum, self.correct, self.count, self.seconds], dtype=torch.float64)
+    def as_state(self) -> dict[str, torch.Tensor]:
+        """The checkpoint's form: each field a float64 scalar (a float would round-trip too, a tensor is what
+        ``torch.load(weights_only=True)`` is sure to keep bit for bit)."""
+        return {f.name: torch.tensor(getattr(self, f.name), dtype=torch.float64) for f in fields(self)}
 
     @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> EpochProgress:
-        return cls(*(float(v) for v in t.tolist()))
+    def from_state(cls, state: dict[str, torch.Tensor] | torch.Tensor | None) -> EpochProgress:
+        """What :meth:`as_state` wrote; None (a checkpoint at an epoch's end) is an empty epoch. Checkpoints
+        written before the fields were named hold float64 [loss_sum, correct, count, seconds]."""
+        if state is None:
+            return cls()
+        if isinstance(state, torch.Tensor):
+            return cls(*(float(v) for v in state.tolist()))
+        return cls(**{name: float(v) for name, v in state.items()})
 
 
 class EpochMeter:
     """An epoch's loss sum, correct predictions and samples on this rank, and its seconds, continuing from
-    what a mid-epoch checkpoint recorded of the steps before (``resumed``; an empty one at an epoch's start)."""
+    what a mid-epoch checkpoint recorded of the steps before (``resumed``; an empty one at an epoch's start).
+    The sums stay on the device as one float64 tensor [loss sum, correct, count], summed over the ranks in one
+    collective; they leave it named, as an :class:`EpochProgress`."""
 
     def __init__(self, device: torch.device, resumed: EpochProgress) -> None:
-        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # [loss sum, correct, count]
         self.resumed, self.t0 = resumed, time.perf_counter() - resumed.seconds
 
     def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
@@ -92,20 +102,20 @@ class EpochMeter:
         r = self.resumed
         return torch.tensor([r.loss_sum, r.correct, r.count], dtype=torch.float64, device=self.sums.device)
 
-    def so_far(self, info: dd.DistInfo) -> EpochProgress:
+    def so_far(self, info: DistInfo) -> EpochProgress:
         """Sums over every rank and seconds so far, for a mid-epoch checkpoint (a collective)."""
         sums = dd.all_reduce_sum(self.sums.clone(), info) + self._resumed_sums()
         return EpochProgress(*sums.tolist(), self.seconds())
 
-    def total(self, info: dd.DistInfo) -> tuple[torch.Tensor, float]:
-        """The epoch's sums over every rank [loss sum, correct, count] (a collective) and its seconds."""
+    def total(self, info: DistInfo) -> EpochProgress:
+        """The epoch's sums over every rank (a collective) and its seconds."""
         sums = dd.all_reduce_sum(self.sums, info)
         sums += self._resumed_sums()
-        return sums, self.seconds()
+        return EpochProgress(*sums.tolist(), self.seconds())
 
 
 @torch.no_grad()
-def evaluate_split(model: nn.Module, batches: Iterable[tuple], n: int, transform: BatchTransform, info: dd.DistInfo,
+def evaluate_split(model: nn.Module, batches: Iterable[tuple], n: int, transform: BatchTransform, info: DistInfo,
                    compute: Compute, flips: bool = False) -> tuple[float, float]:
     """(mean loss, accuracy) over a split of ``n`` samples, spread over the ranks: ``batches`` is this
     rank's padded shard (``TrainingData.eval_batches``); the padding repeats are excluded from every
@@ -125,20 +135,20 @@ def evaluate_split(model: nn.Module, batches: Iterable[tuple], n: int, transform
         loss = F.cross_entropy(logits, labels, reduction="none")
         sums += torch.stack([(loss * real).sum().double(),
                              ((logits.argmax(1) == labels) & real).sum().double(), real.sum().double()])
-    dd.all_reduce_sum(sums, info)
+    loss_sum, correct, count = dd.all_reduce_sum(sums, info).tolist()
     model.train(was_training)
-    return (sums[0] / sums[2]).item(), (sums[1] / sums[2]).item()
+    return loss_sum / count, correct / count
 
 
-def final_metrics(history: list[dict[str, float]], best_epoch: int, best_val_accuracy: float,
+def final_metrics(history: list[EpochStats], best_epoch: int, best_val_accuracy: float,
                   exported_epoch: int, world_size: int, effective_lr: float) -> dict[str, float]:
     """What a finished training reports (``paths.train_metrics``, the DVC metrics of the train stage)."""
     last = history[-1]
     return {
         "best_val_accuracy": best_val_accuracy, "best_epoch": best_epoch,
         "exported_epoch": exported_epoch, "epochs": len(history),
-        "val_accuracy": last["val_accuracy"], "val_loss": last["val_loss"],
-        "train_loss": last["train_loss"], "train_accuracy": last["train_accuracy"],
-        "train_seconds": sum(h["epoch_seconds"] for h in history),
+        "val_accuracy": last.val_accuracy, "val_loss": last.val_loss,
+        "train_loss": last.train_loss, "train_accuracy": last.train_accuracy,
+        "train_seconds": sum(h.epoch_seconds for h in history),
         "world_size": world_size, "effective_lr": effective_lr,
     }

@@ -5,15 +5,16 @@ rank 0 only, each file atomically."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ddpipe.config import Config
 from ddpipe.data.store import Prepared
-from ddpipe.distributed import DistInfo
 from ddpipe.fsutil import atomic_write_json, atomic_write_text
+from ddpipe.metrics import EpochStats
 from ddpipe.models.saved import save_model
+from ddpipe.ranks import DistInfo
+from ddpipe.resolved import Resolved
 from ddpipe.runstore import redact
 from ddpipe.tracking import NullTracker
 
@@ -25,18 +26,18 @@ class TrainingOutputs:
     weights: dict[str, Any]
     exported_epoch: int
     metrics: dict[str, float]
-    history: list[dict[str, float]]
+    history: list[EpochStats]
     data: Prepared  # the input the saved model takes
     example_images: Any  # a few validation images (uint8, N x C x H x W): the logged model's input example
 
 
-def save_outputs(cfg: Config, outputs: TrainingOutputs, tracker: NullTracker, info: DistInfo) -> None:
+def save_outputs(run: Resolved, outputs: TrainingOutputs, tracker: NullTracker, info: DistInfo) -> None:
     """On global rank 0: write ``paths.model``, the DVC metrics and plots files and ``paths.run_info`` (the run of
     ``tracker``), then log the model into that run (``mlflow.log_model``). Every other rank: nothing."""
     if not info.is_main:
         return
-    paths = cfg.paths
-    save_model(outputs.weights, cfg.model, asdict(outputs.data), paths.model,
+    cfg, paths = run.cfg, run.cfg.paths
+    save_model(outputs.weights, run.model, asdict(outputs.data), paths.model,
                extra={"exported_epoch": outputs.exported_epoch})
     atomic_write_json(paths.train_metrics, {"train": outputs.metrics})
     atomic_write_text(paths.history, history_csv(outputs.history))
@@ -44,12 +45,12 @@ def save_outputs(cfg: Config, outputs: TrainingOutputs, tracker: NullTracker, in
     tracker.log_metrics({"best_epoch": outputs.metrics["best_epoch"], "exported_epoch": outputs.exported_epoch})
     if cfg.mlflow.log_model:
         example = outputs.example_images.numpy()  # as a client has them: uint8, N x H x W for grey
-        tracker.log_model(Path(paths.model), example[:, 0] if example.shape[1] == 1 else example, cfg)
+        tracker.log_model(Path(paths.model), example[:, 0] if example.shape[1] == 1 else example, cfg, run.model_name)
     tracker.print_link()
 
 
-def history_csv(history: list[dict[str, float]]) -> str:
+def history_csv(history: list[EpochStats]) -> str:
     """The per-epoch history as CSV (``paths.history``, DVC's plots)."""
-    keys = list(history[0])
-    lines = [",".join(keys)] + [",".join(f"{h[k]:.6g}" for k in keys) for h in history]
+    keys = [f.name for f in fields(EpochStats)]
+    lines = [",".join(keys)] + [",".join(f"{getattr(h, k):.6g}" for k in keys) for h in history]
     return "\n".join(lines) + "\n"

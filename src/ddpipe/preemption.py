@@ -10,7 +10,7 @@ In a worker, :class:`StopRequests` turns SIGTERM and SIGUSR1 into a flag. The tr
 :meth:`StopRequests.agreed` at every optimizer step (a one-integer all-reduce, so that every rank sees
 the same answer at the same step even when the signal reached them at different times, overlapped
 with the next step); when it says stop, global rank 0 writes a checkpoint of that step and every
-rank raises :class:`Preempted`. The process exits with :data:`EXIT_PREEMPTED`, and running the same
+rank raises ``ddpipe.exits.Preempted``. The process exits with ``EXIT_PREEMPTED``, and running the same
 command again resumes from that step, ending with exactly the weights of an uninterrupted run.
 """
 
@@ -22,22 +22,9 @@ from typing import Any
 
 import torch
 
-from ddpipe.distributed import DistInfo, flag_group, start_max
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-# EX_TEMPFAIL (sysexits.h): "a temporary failure; the user is invited to retry". A training that
-# stopped for a signal with its progress saved exits with it; the same command resumes.
-EXIT_PREEMPTED = 75
-
-
-class Preempted(BaseException):
-    """Training stopped for a stop signal at a step boundary, its progress saved. A BaseException, like
-    KeyboardInterrupt: no ``except Exception`` swallows it on its way out."""
-
-    def __init__(self, signum: int, epoch: int, step: int) -> None:
-        self.signum, self.epoch, self.step = signum, epoch, step
-        super().__init__(f"stopped by {signal.Signals(signum).name} at epoch {epoch + 1}, step {step}")
+from ddpipe.distributed import flag_group, start_max
+from ddpipe.exits import STOP_SIGNALS, Preempted
+from ddpipe.ranks import DistInfo
 
 
 class StopRequests:

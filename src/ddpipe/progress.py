@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol, TextIO
 
-from ddpipe.distributed import DistInfo
+from ddpipe.ranks import DistInfo
 from ddpipe.metrics import EpochProgress
 
 LINES_PER_EPOCH = 5  # a line at every 1/5 of the epoch (not at its end: the epoch line says it)

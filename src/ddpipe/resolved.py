@@ -1,78 +1,233 @@
-"""A training's configuration with every ``auto`` made concrete for its device and the prepared data, by one
-function: the launcher checks a job with it, and every worker resolves it once, checks it and trains with it.
+"""Every ``auto`` of params.yaml made concrete, in one place: a training's whole run, typed, for the launcher and
+every worker alike, and the few values other stages take from it (the prepare stage's encoding, the evaluate
+stage's batch and loader workers).
 
-``Config`` holds what the user set, ``auto`` words included (``train.batch_size_per_rank: auto``); a
-:class:`Resolved` holds what the training runs with, typed: the network's name, the batches as ints, the
-input size. :func:`resolve` is the one place where they depend on the device (``ddpipe.devices``' tables).
+``Config`` holds what the user wrote, ``auto`` words included (``train.batch_size_per_rank: auto``); a
+:class:`Resolved` holds what the training runs with, typed: the network's name, the batches, the input size,
+precision and memory format, the backend, the fine-tuning's frozen epochs. :func:`resolve` makes it for a device
+and the prepared data; nothing else in ddpipe compares a value with ``auto``. The device tables it reads are
+measured (BENCHMARKS.md, "Which network `auto` picks").
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from ddpipe.checkpoint import run_fingerprint
-from ddpipe.config import Config, flatten, trajectory
-from ddpipe.data.loading import check_global_batch, input_size, steps_per_epoch
+from ddpipe.config import RENAMED, Config, ConfigError, DataConfig, DistributedConfig, ModelConfig, TrainConfig, \
+    flatten, trajectory
 from ddpipe.data.store import Prepared, load_meta
-from ddpipe.devices import auto_choice, device_kind, eval_batch_size
-from ddpipe.models.registry import RENAMED
+from ddpipe.devices import Compute, cpu_count, cpu_has_amx, cpu_supports_bf16
+
+# What ``model.name: auto`` and ``train.batch_size_per_rank: auto`` become, by device (BENCHMARKS.md,
+# "Which network `auto` picks"). resnet_compact at batch 128 reached 0.923 test accuracy in 10 epochs
+# at 2.2x resnet_small's images/s in fp32 on an AVX2/AVX512 CPU; resnet_small at batch 256 is the
+# combination measured on an AMX Xeon (bf16, 0.44x the reference loop's time) and the one the GPU
+# tests ran, kept unchanged there until the compact one is measured on those devices.
+AUTO_CHOICES = {  # device_kind -> (model.name, train.batch_size_per_rank)
+    "cpu": ("resnet_compact", 128),  # a CPU without AMX
+    "cpu-amx": ("resnet_small", 256),
+    "cuda": ("resnet_small", 256),
+}
+# Inputs above SMALL_INPUT px a side (encoded images, 224 by default) get torchvision's ImageNet networks, whose
+# stem downsamples 4x at once: ddpipe's small-image nets keep full resolution through their first layers.
+# ResNet-50 at batch 128 is torchvision's reference recipe per GPU (8 GPUs x 32 there; bf16 fits 128 in 40 GB);
+# on a CPU, ResNet-18 (a fifth of ResNet-50's multiply-adds) at batch 64.
+SMALL_INPUT = 64
+AUTO_LARGE_INPUT = {"cpu": ("resnet18", 64), "cpu-amx": ("resnet18", 64), "cuda": ("resnet50", 128)}
+# data.encoding auto: raw pixels for one size of at most this many px a side, else encoded
+RAW_MAX_SIDE = 64
+# data.image_size null for encoded images: torchvision's classification default
+DEFAULT_ENCODED_SIZE = 224
 
 
 @dataclass(frozen=True)
 class Resolved:
-    """The configuration a training runs with."""
+    """The run a training makes: what the user wrote (``cfg``) and what each ``auto`` of it became here."""
 
-    cfg: Config  # as loaded, with model.name concrete (auto: by device and input size)
+    cfg: Config  # what the user wrote, untouched
+    device: torch.device  # the kind of device the ranks train on (each takes its own GPU: ddpipe.distributed)
     meta: Prepared  # the prepared data's meta.json
-    input_size: list[int]  # what the network sees: data.image_size resolved
+    model_name: str  # model.name, concrete
+    model_was_auto: bool
+    device_kind: str  # the row of AUTO_CHOICES that `auto` took
+    input_size: list[int]  # what the network sees: data.image_size resolved, [H, W]
     batch_size_per_rank: int
     eval_batch_size_per_rank: int
-    device_kind: str  # the row of ddpipe.devices' tables that `auto` took
-    model_was_auto: bool
+    precision: str  # fp32 | bf16 | fp16
+    channels_last: bool
+    backend: str  # nccl | gloo
+    freeze_body_epochs: int | None  # None: the body stays frozen for good
+
+    @property
+    def model(self) -> ModelConfig:
+        """The ``model`` section with its name concrete: what builds the network and what the saved model records."""
+        return replace(self.cfg.model, name=self.model_name)
+
+    def compute(self, device: torch.device) -> Compute:
+        """How this run computes on ``device`` (a rank's own GPU, or the CPU)."""
+        return Compute(device, self.precision, self.channels_last)
+
+    def loader_workers(self, cores: int) -> int:
+        """``data.num_workers`` for a rank that may use ``cores`` cores (:func:`loader_workers`)."""
+        return loader_workers(self.cfg.data.num_workers, self.meta.encoding, self.device, cores)
 
     def global_batch_size(self, world_size: int) -> int:
         return self.batch_size_per_rank * world_size * self.cfg.train.grad_accum_steps
 
     def steps_per_epoch(self, world_size: int) -> int:
-        return steps_per_epoch(self.meta.sizes["train"], self.batch_size_per_rank, self.cfg.train.grad_accum_steps,
-                               world_size)
+        """Optimizer steps in an epoch (each rank's shard, its full batches, then ``grad_accum_steps`` of them a
+        step, as ``ddpipe.data.loading.TrainOrder`` serves them)."""
+        return self.meta.sizes["train"] // world_size // self.batch_size_per_rank // self.cfg.train.grad_accum_steps
 
     def check_world_size(self, world_size: int) -> None:
         """ConfigError unless an epoch has an optimizer step at ``world_size`` processes."""
-        check_global_batch(self.meta.sizes["train"], self.batch_size_per_rank, self.cfg.train.grad_accum_steps,
-                           world_size)
-
-    def fingerprint(self, world_size: int, effective_lr: float, data: Prepared) -> str:
-        """What a checkpoint of this run must match to be resumed (:func:`ddpipe.checkpoint.run_fingerprint`),
-        ``data`` being the prepared data as the training reads it."""
-        return run_fingerprint(self.trajectory(), self.global_batch_size(world_size), effective_lr, asdict(data))
+        if self.steps_per_epoch(world_size) < 1:
+            raise ConfigError(
+                f"train.grad_accum_steps = {self.cfg.train.grad_accum_steps} x train.batch_size_per_rank = "
+                f"{self.batch_size_per_rank} x {world_size} process(es) exceeds the training split "
+                f"({self.meta.sizes['train']} samples); accepted: a global batch no larger than the split")
 
     def params(self) -> dict[str, Any]:
         """Every config key flattened, with the values ``auto`` took: what the run records as its params."""
-        return {**flatten(self.cfg), "train.batch_size_per_rank": self.batch_size_per_rank,
+        return {**flatten(self.cfg), "model.name": self.model_name, "train.batch_size_per_rank": self.batch_size_per_rank,
                 "train.eval_batch_size_per_rank": self.eval_batch_size_per_rank}
 
     def trajectory(self) -> dict[str, Any]:
-        """The keys that shape the training trajectory (``config.trajectory``) with the network resolved."""
-        keys = trajectory(self.cfg)
-        if self.cfg.model.name in RENAMED:  # torchvision's network now, not the small-stem one of older checkpoints
+        """The keys that shape the training trajectory (``config.trajectory``) with the network resolved: what a
+        checkpoint's fingerprint covers (``ddpipe.checkpoint.run_fingerprint``)."""
+        keys = {**trajectory(self.cfg), "model.name": self.model_name}
+        if self.model_name in RENAMED:  # torchvision's network now, not the small-stem one of older checkpoints
             keys["model.torchvision_stem"] = True
         return keys
 
 
-def resolve(cfg: Config, device: torch.device) -> Resolved:
-    """``cfg`` for ``device`` and the data in ``paths.prepared`` (PreparedDataError if it cannot be read):
-    ``model.name`` and ``train.batch_size_per_rank`` auto by :func:`ddpipe.devices.auto_choice`, an explicit
-    value kept; ``train.eval_batch_size_per_rank`` auto: twice the training batch."""
-    meta = load_meta(cfg.paths.prepared)
+def resolve(cfg: Config, device: torch.device, meta: Prepared | None = None) -> Resolved:
+    """``cfg`` for ``device`` and the data ``meta`` describes (by default ``paths.prepared``'s meta.json:
+    PreparedDataError if it cannot be read); ConfigError for a value this device cannot run (fp16 or nccl without
+    CUDA, exact mode on CUDA) or a ``data.image_size`` the prepared data cannot give."""
+    meta = meta or load_meta(cfg.paths.prepared)
     size = input_size(meta, cfg.data.image_size)
     name, batch = auto_choice(device, size[0])
-    requested = cfg.train.batch_size_per_rank
-    model = replace(cfg.model, name=name) if cfg.model.name == "auto" else cfg.model
-    return Resolved(cfg=replace(cfg, model=model), meta=meta, input_size=size,
-                    batch_size_per_rank=batch if requested == "auto" else int(requested),
-                    eval_batch_size_per_rank=eval_batch_size(cfg.train, device, size[0]),
-                    device_kind=device_kind(device), model_was_auto=cfg.model.name == "auto")
+    tc, d = cfg.train, cfg.distributed
+    precision = resolve_precision(tc.precision, device)
+    if d.backend == "nccl" and device.type != "cuda":
+        raise ConfigError("distributed.backend = 'nccl' needs CUDA GPUs; accepted here: auto or gloo")
+    if d.exact and device.type != "cpu":
+        raise ConfigError("distributed.exact = True is not accepted on CUDA (cuDNN picks its algorithms by "
+                          "batch size, so results depend on the split); accepted there: false")
+    return Resolved(
+        cfg=cfg, device=device, meta=meta, model_name=name if cfg.model.name == "auto" else cfg.model.name,
+        model_was_auto=cfg.model.name == "auto", device_kind=device_kind(device), input_size=size,
+        batch_size_per_rank=batch if tc.batch_size_per_rank == "auto" else int(tc.batch_size_per_rank),
+        eval_batch_size_per_rank=eval_batch_size(tc, device, size[0]), precision=precision,
+        channels_last=use_channels_last(tc.channels_last, device, precision),
+        backend=d.backend if d.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo"),
+        freeze_body_epochs=None if tc.freeze_body_epochs == "all" else int(tc.freeze_body_epochs))
+
+
+def device_kind(device: torch.device) -> str:
+    """The key of :data:`AUTO_CHOICES` for this device."""
+    if device.type == "cuda":
+        return "cuda"
+    return "cpu-amx" if cpu_has_amx() else "cpu"
+
+
+def auto_choice(device: torch.device, side: int) -> tuple[str, int]:
+    """(model.name, train.batch_size_per_rank) that ``auto`` means on ``device`` for inputs ``side`` px a side."""
+    table = AUTO_CHOICES if side <= SMALL_INPUT else AUTO_LARGE_INPUT
+    return table[device_kind(device)]
+
+
+def input_size(meta: Prepared, image_size: int | None) -> list[int]:
+    """[H, W] the network sees: encoded images are cropped to ``data.image_size`` (null: 224); raw images
+    keep their stored size, which ``data.image_size`` may only repeat (ConfigError otherwise)."""
+    if meta.encoding == "encoded":
+        side = image_size or DEFAULT_ENCODED_SIZE
+        return [side, side]
+    stored = list(meta.image_size or [])
+    if image_size is not None and [image_size, image_size] != stored:
+        raise ConfigError(f"data.image_size = {image_size} is not accepted for the prepared raw images of "
+                          f"{stored[0]}x{stored[1]} px (meta.json encoding 'raw'); accepted: null or {stored[0]} "
+                          "when square, or prepare them with data.encoding=encoded")
+    return stored
+
+
+def eval_batch_size(cfg: TrainConfig, device: torch.device, side: int) -> int:
+    """``train.eval_batch_size_per_rank`` for ``device``: auto is twice the training batch (itself auto or not)."""
+    if cfg.eval_batch_size_per_rank != "auto":
+        return int(cfg.eval_batch_size_per_rank)
+    requested = cfg.batch_size_per_rank
+    return 2 * (auto_choice(device, side)[1] if requested == "auto" else int(requested))
+
+
+def loader_workers(setting: str, encoding: str, device: torch.device, cores: int) -> int:
+    """``data.num_workers`` resolved for a rank that may use ``cores`` cores. ``auto``: none for raw data (a
+    batch is one gather from the memory map: handing it between processes would cost more); for encoded
+    data on CUDA the rank's cores less one (the training process feeds the GPU), on CPU half of them (the
+    training's own threads compute on the same cores), at least one."""
+    if setting != "auto":
+        return int(setting)
+    if encoding == "raw":
+        return 0
+    return max(1, cores - 1) if device.type == "cuda" else max(1, cores // 2)
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """fp32/bf16/fp16 for this device; ConfigError for a precision the device cannot run."""
+    if requested == "fp16" and device.type != "cuda":
+        raise ConfigError("train.precision = 'fp16' needs a CUDA GPU (GradScaler); on CPU use "
+                          "auto, fp32 or bf16")
+    if requested != "auto":
+        return requested
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "bf16" if cpu_supports_bf16() else "fp32"
+
+
+def use_channels_last(setting: str, device: torch.device, precision: str) -> bool:
+    """``train.channels_last`` resolved: auto is on for CPU and for CUDA with bf16/fp16 (tensor cores)."""
+    if setting != "auto":
+        return setting == "on"
+    return device.type == "cpu" or precision in ("bf16", "fp16")
+
+
+def data_encoding(cfg: DataConfig, one_size: bool, largest_side: int) -> tuple[str, bool]:
+    """``data.encoding`` for images of one size or several (the largest side ``largest_side`` px): raw pixels for
+    one size of at most :data:`RAW_MAX_SIDE` px, else encoded; whether ``auto`` chose it."""
+    if cfg.encoding != "auto":
+        return cfg.encoding, False
+    return ("raw" if one_size and largest_side <= RAW_MAX_SIDE else "encoded"), True
+
+
+@dataclass(frozen=True)
+class Job:
+    """This node's part of a job, ``distributed.nproc_per_node`` and ``distributed.nnodes`` resolved."""
+
+    nproc_per_node: int
+    min_nodes: int
+    max_nodes: int
+    gpus_requested: int | None = None  # None: nproc_per_node auto, a share of the host's free GPUs (hostshare)
+
+    @property
+    def max_world_size(self) -> int:
+        """Processes in the job at its largest (an elastic ``MIN:MAX`` job's largest global batch)."""
+        return self.nproc_per_node * self.max_nodes
+
+
+def resolve_job(d: DistributedConfig) -> Job:
+    """Processes on this node and the job's nodes. ``auto``: one process per visible GPU; on a CPU-only machine
+    one process that uses every core as intra-op threads, which measured faster than one single-thread process
+    per core (BENCHMARKS.md, "DDP overhead"). An int is refused above the GPUs (CUDA) or cores (CPU)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nodes = [int(n) for n in d.nnodes.split(":")]  # N or MIN:MAX, checked by the config's checks
+    if d.nproc_per_node == "auto":
+        return Job(gpus or 1, nodes[0], nodes[-1])
+    nproc = int(d.nproc_per_node)
+    limit, what = (gpus, "visible GPUs") if gpus else (cpu_count(), "CPU cores this process may use")
+    if nproc > limit:
+        raise ConfigError(f"distributed.nproc_per_node = {nproc} is not accepted on this node: it has {limit} "
+                          f"{what}; accepted: 1 to {limit}, or auto")
+    return Job(nproc, nodes[0], nodes[-1], nproc)

@@ -10,7 +10,7 @@ import time
 import warnings
 
 from ddpipe.config import MlflowConfig
-from ddpipe.distributed import DistInfo
+from ddpipe.ranks import DistInfo
 from ddpipe.outbox import Courier, Journal, outbox_root
 from ddpipe.runstore import bound_http_requests, is_server, tracking_uri
 

@@ -31,10 +31,10 @@ from ddpipe import __version__
 from ddpipe.config import Config, MlflowConfig, to_yaml
 from ddpipe.data.store import load_meta
 from ddpipe.delivery import is_transient
-from ddpipe.distributed import DistInfo
+from ddpipe.ranks import DistInfo
 from ddpipe.fsutil import atomic_write_json
 from ddpipe.outbox import Courier, Journal, describe, finished, new_key, outbox_root
-from ddpipe.preemption import Preempted
+from ddpipe.exits import Preempted
 from ddpipe.procs import alive_here, this_process
 from ddpipe.runstore import (
     bound_http_requests,
@@ -63,8 +63,9 @@ def end_reason(exc: BaseException) -> tuple[str, str]:
     return "FAILED", f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
 
 
-def run_name(cfg: Config) -> str:
-    return os.environ.get("DVC_EXP_NAME") or f"{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+def run_name(model_name: str) -> str:
+    """The MLflow run's name: the DVC experiment's, else the network's and the time."""
+    return os.environ.get("DVC_EXP_NAME") or f"{model_name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 class NullTracker:
@@ -73,7 +74,8 @@ class NullTracker:
     run_id: str | None = None
     uri = ""
 
-    def start(self, cfg: Config, params: dict[str, Any], resume_run_id: str | None, markers: Path) -> str | None:
+    def start(self, cfg: Config, params: dict[str, Any], resume_run_id: str | None, markers: Path,
+              model_name: str | None = None) -> str | None:
         return None
 
     def store_id(self) -> str | None:
@@ -81,7 +83,7 @@ class NullTracker:
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
-    def log_model(self, model_path: Path, input_example: Any, cfg: Config) -> None: ...
+    def log_model(self, model_path: Path, input_example: Any, cfg: Config, model_name: str) -> None: ...
     def print_link(self) -> None: ...
     def finish(self) -> None: ...
     def end_after(self, exc: BaseException) -> None: ...
@@ -118,10 +120,12 @@ class MlflowTracker(NullTracker):
 
     # -- the run's beginning -------------------------------------------------------------------
 
-    def start(self, cfg: Config, params: dict[str, Any], resume_run_id: str | None, markers: Path) -> str | None:
+    def start(self, cfg: Config, params: dict[str, Any], resume_run_id: str | None, markers: Path,
+              model_name: str | None = None) -> str | None:
         """Reopen ``resume_run_id`` (a resumed checkpoint's run) or start a new run with ``params`` (nested under
-        the sweep's parent when ``mlflow.sweep`` is set); close runs that killed attempts left RUNNING. The
-        run's key: its id, or a pending key when the store did not answer (the run is created when it does)."""
+        the sweep's parent when ``mlflow.sweep`` is set), named after the network ``model_name`` (by default
+        ``model.name``); close runs that killed attempts left RUNNING. The run's key: its id, or a pending key
+        when the store did not answer (the run is created when it does)."""
         gone = resume_run_id and Journal(outbox_root(self.cfg.outbox), resume_run_id, self.uri, owner=False)
         if gone and not gone.resolvable():
             finished(gone)
@@ -135,15 +139,16 @@ class MlflowTracker(NullTracker):
             tags = {**self._tags(), "ddpipe.attempts": "1", "ddpipe.end_reason": "running"}
             if self.cfg.sweep:
                 tags["ddpipe.sweep"] = self.cfg.sweep
+            name = run_name(model_name or cfg.model.name)
             try:
-                key = self._create_now(cfg, tags)
+                key = self._create_now(name, tags)
             except Exception as exc:  # the store's word decides: wait for it, or do without tracking
                 if not is_transient(exc):
                     self._warn_off("the run's creation", exc)
                     return None
                 key = new_key()
                 self._open(key)
-                self._append("create", experiment=self.cfg.experiment_name, run_name=run_name(cfg), tags=tags,
+                self._append("create", experiment=self.cfg.experiment_name, run_name=name, tags=tags,
                              start_time=int(time.time() * 1000), sweep=self.cfg.sweep)
             else:
                 self._open(key)
@@ -154,7 +159,7 @@ class MlflowTracker(NullTracker):
         self._write_marker(markers, self.run_id)
         return self.run_id
 
-    def _create_now(self, cfg: Config, tags: dict[str, str]) -> str:
+    def _create_now(self, name: str, tags: dict[str, str]) -> str:
         """The run, created in the store now (its id printed and checkpointed from the start)."""
         import mlflow
 
@@ -163,7 +168,7 @@ class MlflowTracker(NullTracker):
         self.experiment_id = experiment_id(mlflow, self.cfg.experiment_name, self.uri)
         if self.cfg.sweep:
             tags = {**tags, "mlflow.parentRunId": sweep_parent(client, self.uri, self.experiment_id, self.cfg.sweep)}
-        return client.create_run(self.experiment_id, tags=tags, run_name=run_name(cfg)).info.run_id
+        return client.create_run(self.experiment_id, tags=tags, run_name=name).info.run_id
 
     def _tags(self) -> dict[str, str]:
         import torch
@@ -237,9 +242,9 @@ class MlflowTracker(NullTracker):
         if self.enabled and self.journal is not None:
             self._append("artifact", path=self.journal.keep_file(path), artifact_path=artifact_path)
 
-    def log_model(self, model_path: Path, input_example: Any, cfg: Config) -> None:
-        """``model_path`` into the run as the pyfunc model a client calls (``ddpipe.inference.log_model``), from a
-        copy kept in the outbox until the store has it."""
+    def log_model(self, model_path: Path, input_example: Any, cfg: Config, model_name: str) -> None:
+        """``model_path`` (the network ``model_name``) into the run as the pyfunc model a client calls
+        (``ddpipe.inference.log_model``), from a copy kept in the outbox until the store has it."""
         if not (self.enabled and self.journal is not None):
             return
         import numpy as np
@@ -247,7 +252,7 @@ class MlflowTracker(NullTracker):
         example = Path(self.journal.keep_file(model_path)).with_name("input_example.npy")
         np.save(example, np.asarray(input_example))
         self._append("model", model=str(example.with_name(Path(model_path).name)), example=str(example),
-                     config=to_yaml(cfg))
+                     config=to_yaml(cfg), model_name=model_name)
 
     def print_link(self) -> None:
         """Where to look: the run in ``mlflow ui``'s runs view (started in the repo root)."""

@@ -21,24 +21,21 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpipe import distributed as dd
-from ddpipe.batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
-from ddpipe.checkpoint import Checkpointer, Position
-from ddpipe.config import Config
+from ddpipe.batchnorm import CPUSyncBatchNorm
+from ddpipe.checkpoint import Checkpointer, Position, run_fingerprint
 from ddpipe.data.loading import TrainingData
-from ddpipe.data.store import Prepared
-from ddpipe.devices import Compute, deterministic_kernels, loader_workers
+from ddpipe.devices import deterministic_kernels
 from ddpipe.exact import clip_grad_norm_ as exact_clip_grad_norm_
-from ddpipe.exact import make_exact
-from ddpipe.finetune import FineTuning
+from ddpipe.exits import Preempted
 from ddpipe.hostshare import HostShare
 from ddpipe.metrics import EpochMeter, EpochProgress, EpochStats, evaluate_split, final_metrics
-from ddpipe.models.pretrained import Pretrained, apply_pretrained, load_pretrained
-from ddpipe.models.registry import build_model
+from ddpipe.network import build_network
 from ddpipe.optim import Optimization
 from ddpipe.outputs import TrainingOutputs, save_outputs
-from ddpipe.preemption import Preempted, StopRequests
+from ddpipe.preemption import StopRequests
 from ddpipe.progress import make_progress
-from ddpipe.resolved import Resolved, resolve
+from ddpipe.ranks import DistInfo
+from ddpipe.resolved import Resolved
 from ddpipe.selection import ModelSelection
 from ddpipe.sysmetrics import NoSystemMetrics, monitor_node
 from ddpipe.tracking import make_tracker
@@ -47,25 +44,27 @@ from ddpipe.tracking import make_tracker
 class Trainer:
     """Builds everything from the resolved config, then ``fit()`` trains, validates and checkpoints."""
 
-    def __init__(self, run: Resolved, info: dd.DistInfo, stops: StopRequests | None = None,
+    def __init__(self, run: Resolved, info: DistInfo, stops: StopRequests | None = None,
                  share: HostShare | None = None) -> None:
         cfg, tc = run.cfg, run.cfg.train
         self.run, self.cfg, self.info, self.device = run, cfg, info, info.device
         self.stops = stops or StopRequests(info, cfg.distributed.timeout_s)  # asked at every step
         self.share = share or HostShare(cfg.distributed.threads_per_process, info.processes_on_host, enabled=False)
-        self.compute = Compute.resolve(tc, info.device)
+        self.compute = run.compute(info.device)
         deterministic_kernels(info.device)
-        self.pretrained = load_pretrained(cfg.model.weights) if cfg.model.weights else None
-        self.data, self.num_workers = training_data(run, info, self.compute, self.share, self.pretrained)
-        meta = self.data.meta
         # Identical initial weights on every rank. Nothing in training draws from the global RNG after
         # this (augmentation is a hash of seed, epoch and index; the samplers seed their own generators):
         # a layer that did (Dropout) would draw the same numbers on every rank.
         torch.manual_seed(cfg.seed)
-        self.module = training_module(cfg, meta, info, self.compute, self.pretrained)
-        if self.pretrained:  # copied into the module: keep only what the run records of them
-            self.pretrained = replace(self.pretrained, state_dict={})
-        self.finetune = FineTuning(tc, self.module, len(meta.classes))
+        network = build_network(run, info)
+        for line in network.notes:
+            dd.print0(line, info=info)
+        self.module, self.finetune, self.pretrained = self.compute.place(network.module), network.finetune, \
+            network.weights
+        meta = replace(run.meta, mean=network.mean, std=network.std)  # the input the network expects
+        self.num_workers = run.loader_workers(self.share.cores(info.device))
+        self.data = TrainingData.load(run, meta, self.compute, rank=info.rank, world_size=info.world_size,
+                                      num_workers=self.num_workers)
         self.model = wrap(self.module, info, tc.compile)
         self.steps_per_epoch = run.steps_per_epoch(info.world_size)
         self.optim = Optimization(tc, lambda lr: self.finetune.param_groups(self.module, lr), info.world_size,
@@ -73,10 +72,11 @@ class Trainer:
                                   exact_clip_grad_norm_ if cfg.distributed.exact else nn.utils.clip_grad_norm_)
         self.tracker, self.system = make_tracker(cfg.mlflow, info), NoSystemMetrics()
         self.selection = ModelSelection(tc)
-        fp = run.fingerprint(info.world_size, self.optim.effective_lr, meta)
+        fp = run_fingerprint(run.trajectory(), run.global_batch_size(info.world_size), self.optim.effective_lr,
+                             asdict(meta))
         self.checkpointer = Checkpointer(cfg.paths.checkpoints, fp, tc.keep_checkpoints, info)
         self.parts = {"model": self.module, **self.optim.parts(), "selection": self.selection}  # checkpointed
-        self.history: list[dict[str, float]] = []
+        self.history: list[EpochStats] = []
 
     def fit(self) -> dict[str, float]:
         pos, run_id, progress = self._restore()
@@ -91,11 +91,11 @@ class Trainer:
                 dd.print0(f"early stopping after epoch {epoch}: no better validation accuracy since epoch "
                           f"{self.selection.best_epoch} ({self.selection.best_val_accuracy:.4f})", info=self.info)
                 break
-            stats = self.run_epoch(epoch, pos.step if resumed else 0, progress if resumed else EpochProgress())
+            stats = self.train_epoch(epoch, pos.step if resumed else 0, progress if resumed else EpochProgress())
             self._end_epoch(stats)
         return self.finish()
 
-    def run_epoch(self, epoch: int, start_step: int, resumed: EpochProgress) -> EpochStats:
+    def train_epoch(self, epoch: int, start_step: int, resumed: EpochProgress) -> EpochStats:
         """One epoch from ``start_step``; ``resumed``: what a checkpoint recorded of the steps before it."""
         accum = self.cfg.train.grad_accum_steps
         # set_epoch(epoch): a new shuffle and new shards every epoch; a resumed epoch starts at its step
@@ -121,9 +121,9 @@ class Trainer:
                 bar.step(step, meter)
                 if step < self.steps_per_epoch:  # the epoch's end checkpoints (and stops) in fit()
                     self._between_steps(epoch, step, meter)
-        sums, seconds = meter.total(self.info)
+        done = meter.total(self.info)
         val_loss, val_acc = self.validate()
-        stats = EpochStats.from_sums(epoch, sums, seconds, val_loss, val_acc, self.optim.lr)
+        stats = EpochStats.from_progress(epoch, done, val_loss, val_acc, self.optim.lr)
         dd.print0(stats.summary(self.cfg.num_epochs), info=self.info)
         return stats
 
@@ -155,7 +155,7 @@ class Trainer:
             raise Preempted(signum, epoch, step)
 
     def _end_epoch(self, stats: EpochStats) -> None:
-        self.history.append(asdict(stats))
+        self.history.append(stats)
         self.selection.update(stats.epoch, stats.val_accuracy, self.module)
         # MLflow steps are epochs counted from 1, as in the history DVC plots
         self.tracker.log_metrics({**{k: v for k, v in asdict(stats).items() if k != "epoch"},
@@ -171,8 +171,9 @@ class Trainer:
 
     def _save(self, pos: Position, progress: EpochProgress | None = None) -> None:
         """Checkpoint ``pos``; ``progress``: the epoch's sums and seconds so far, for a mid-epoch one."""
-        self.checkpointer.save(pos, self.parts, history=self.history, run_id=self.tracker.run_id or "",
-                               epoch_progress=(progress or EpochProgress()).as_tensor(),
+        self.checkpointer.save(pos, self.parts, history=[asdict(h) for h in self.history],
+                               run_id=self.tracker.run_id or "",
+                               epoch_progress=(progress or EpochProgress()).as_state(),
                                world_size=self.info.world_size)
 
     def _restore(self) -> tuple[Position, str | None, EpochProgress]:
@@ -181,19 +182,19 @@ class Trainer:
         if found is None:
             return Position(0, 0), None, EpochProgress()
         pos, state = found
-        self.history = list(state["history"])
+        self.history = [EpochStats(**h) for h in state["history"]]
         done = pos.epoch >= self.cfg.num_epochs or self.selection.should_stop(pos.epoch)
         was = int(state.get("world_size", self.info.world_size))
         dd.print0(resume_note(self.cfg.paths.checkpoints, pos, done, was, self.info.world_size), info=self.info)
-        progress = EpochProgress.from_tensor(state.get("epoch_progress", EpochProgress().as_tensor()))
+        progress = EpochProgress.from_state(state.get("epoch_progress"))
         return pos, state.get("run_id") or None, progress
 
     def _open_run(self, resume_run_id: str | None) -> None:
         """Start (or reopen) the MLflow run on rank 0, every rank learning its id (this node's system metrics go
         into it), and print the training's one-line description."""
-        derived = run_facts(self)
+        derived = derived_params(self)
         run_id = self.tracker.start(self.cfg, {**self.run.params(), **derived}, resume_run_id,
-                                    Path(self.cfg.paths.checkpoints))
+                                    Path(self.cfg.paths.checkpoints), self.run.model_name)
         run_id = dd.broadcast_object(run_id, self.info)
         self.system = monitor_node(self.cfg.mlflow, self.info, run_id, resume_run_id is not None)
         dd.print0(describe(self.run, self.info, self.compute, self.optim.effective_lr, derived), info=self.info)
@@ -204,7 +205,7 @@ class Trainer:
         metrics = final_metrics(self.history, self.selection.best_epoch, self.selection.best_val_accuracy,
                                 exported_epoch, self.info.world_size, self.optim.effective_lr)
         seen = replace(self.data.meta, image_size=self.data.size)  # the input the saved model takes
-        save_outputs(self.cfg, TrainingOutputs(weights, exported_epoch, metrics, self.history, seen,
+        save_outputs(self.run, TrainingOutputs(weights, exported_epoch, metrics, self.history, seen,
                                                self.data.examples(4)), self.tracker, self.info)
         self.system.stop()
         self.tracker.finish()
@@ -212,31 +213,18 @@ class Trainer:
         return metrics
 
 
-def training_data(run: Resolved, info: dd.DistInfo, compute: Compute, share: HostShare,
-                  pretrained: Pretrained | None) -> tuple[TrainingData, int]:
-    """This rank's data (normalised as ``pretrained`` weights expect, when they say) and its loader workers
-    (``data.num_workers`` resolved for the cores this rank may use)."""
-    meta = run.meta
-    if pretrained and (norm := pretrained.normalisation(meta.num_channels)):
-        meta = replace(meta, mean=norm[0], std=norm[1])  # the input the weights were trained on
-    workers = loader_workers(run.cfg.data.num_workers, meta.encoding, info.device, share.cores(info.device))
-    data = TrainingData.load(run.cfg, meta, compute, batch_size_per_rank=run.batch_size_per_rank, rank=info.rank,
-                             world_size=info.world_size, num_workers=workers)
-    return data, workers
-
-
-def run_facts(t: Trainer) -> dict[str, Any]:
+def derived_params(t: Trainer) -> dict[str, Any]:
     """Values computed from the config and the launch, recorded with the run (MLflow params)."""
     return {
         "world_size": t.info.world_size, "effective_lr": t.optim.effective_lr,
         "global_batch_size": t.run.global_batch_size(t.info.world_size),
         "steps_per_epoch": t.steps_per_epoch,
-        "device_kind": t.run.device_kind,  # the row of devices.AUTO_CHOICES that `auto` took
+        "device_kind": t.run.device_kind,  # the row of resolved.AUTO_CHOICES that `auto` took
         "host_sums": t.info.sums if t.info.distributed else "none",
         "resolved_precision": t.compute.precision, "channels_last": t.compute.channels_last,
         "num_parameters": sum(p.numel() for p in t.module.parameters()),
         "threads_per_process_at_start": torch.get_num_threads(),
-        "loader_workers": t.num_workers,  # data.num_workers resolved (devices.loader_workers)
+        "loader_workers": t.num_workers,  # data.num_workers resolved (resolved.loader_workers)
         "input_size": "x".join(map(str, t.data.size)),  # what the network sees (data.image_size resolved)
         **({"weights_source": t.pretrained.source, "weights_sha256": t.pretrained.sha256}
            if t.pretrained else {}),
@@ -255,13 +243,13 @@ def resume_note(directory: str, pos: Position, done: bool, was: int, now: int) -
     return f"resuming from {directory} at epoch {pos.epoch + 1}, step {pos.step}{moved}"
 
 
-def describe(run: Resolved, info: dd.DistInfo, compute: Compute, effective_lr: float, derived: dict[str, Any]) -> str:
+def describe(run: Resolved, info: DistInfo, compute: Compute, effective_lr: float, derived: dict[str, Any]) -> str:
     """The training's line at its start: the job, the arithmetic, the batch and the network."""
     tc, sums = run.cfg.train, " + shared memory" if info.sums == "shared memory" else ""
     return (f"world size {info.world_size} ({info.num_nodes} node(s), backend {info.backend or 'none'}{sums}, "
             f"{info.device.type}, {torch.get_num_threads()} thread(s)/process), precision {compute.precision}, "
             f"effective lr {effective_lr:.6g} ({tc.lr_scaling} scaling of {tc.base_lr:g}), global batch "
-            f"{derived['global_batch_size']}, {derived['steps_per_epoch']} steps/epoch; network {run.cfg.model.name} "
+            f"{derived['global_batch_size']}, {derived['steps_per_epoch']} steps/epoch; network {run.model_name} "
             f"at {derived['input_size']}{' (model.name auto: ' + run.device_kind + ')' if run.model_was_auto else ''}")
 
 
@@ -272,22 +260,7 @@ def in_steps(loader: Iterable[tuple], accum: int) -> Iterator[list[tuple]]:
         yield step
 
 
-def training_module(cfg: Config, meta: Prepared, info: dd.DistInfo, compute: Compute,
-                    pretrained: Pretrained | None = None) -> nn.Module:
-    """The network to train, from ``pretrained`` weights when given: world-size exact, or with synchronised
-    BatchNorm under several processes."""
-    module = build_model(cfg.model, meta.num_channels, len(meta.classes))
-    if pretrained is not None:
-        for line in apply_pretrained(module, pretrained, len(meta.classes)):
-            dd.print0(line, info=info)
-    if cfg.distributed.exact:
-        module = make_exact(module)  # its BatchNorm is synchronised too
-    elif info.distributed and info.world_size > 1 and cfg.distributed.sync_batchnorm:
-        module = convert_sync_batchnorm(module, info.device)  # before the DDP wrap
-    return compute.place(module)
-
-
-def wrap(module: nn.Module, info: dd.DistInfo, compile_model: bool) -> nn.Module:
+def wrap(module: nn.Module, info: DistInfo, compile_model: bool) -> nn.Module:
     """DDP under a process group (its gradients summed as ``ddpipe.distributed`` sums), then torch.compile if
     asked."""
     model = module
@@ -304,16 +277,16 @@ def wrap(module: nn.Module, info: dd.DistInfo, compile_model: bool) -> nn.Module
     return torch.compile(model) if compile_model else model
 
 
-def train(cfg: Config, run: Resolved | None = None) -> dict[str, float]:
-    """Set up this process, train, and always tear the process group down. ``run``: ``cfg`` resolved for this
-    process (the train stage's worker resolves and checks it first: ``ddpipe.launch.worker_config``), resolved
-    here when not given. A training that raises, is interrupted (SIGINT) or preempted (SIGTERM, SIGUSR1: it stops
-    at a step after a checkpoint, see ddpipe.preemption) closes its MLflow run as FAILED or KILLED, saying why."""
-    info = dd.init_distributed(cfg.distributed)
+def train(run: Resolved) -> dict[str, float]:
+    """Set up this process, train ``run``, and always tear the process group down. ``run``: the config resolved
+    for this process (the train stage's worker resolves and checks it first: ``ddpipe.launch.worker_config``). A
+    training that raises, is interrupted (SIGINT) or preempted (SIGTERM, SIGUSR1: it stops at a step after a
+    checkpoint, see ddpipe.preemption) closes its MLflow run as FAILED or KILLED, saying why."""
+    cfg = run.cfg
+    info = dd.init_distributed(cfg.distributed, run.backend)
     trainer = None
     try:
         info = dd.open_host_sums(cfg.distributed, info)  # shared memory where distributed.shared_memory allows
-        run = run or resolve(cfg, info.device)
         share = HostShare(cfg.distributed.threads_per_process, info.processes_on_host, info.device.type == "cpu")
         with StopRequests(info, cfg.distributed.timeout_s) as stops, share:
             trainer = Trainer(run, info, stops, share)

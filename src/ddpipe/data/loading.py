@@ -25,10 +25,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from ddpipe.config import Config, ConfigError
 from ddpipe.data.store import EncodedSplit, Prepared, RawSplit, open_split
-from ddpipe.data.transforms import DEFAULT_ENCODED_SIZE, BatchTransform, EvalCrop, TrainCrop, decode
+from ddpipe.data.transforms import BatchTransform, EvalCrop, TrainCrop, decode
 from ddpipe.devices import Compute
+from ddpipe.resolved import Resolved
 
 
 @dataclass(frozen=True)
@@ -39,20 +39,6 @@ class BatchKey:
     split: str
     epoch: int | None
     indices: torch.Tensor
-
-
-def input_size(meta: Prepared, image_size: int | None) -> list[int]:
-    """[H, W] the network sees: encoded images are cropped to ``data.image_size`` (null: 224); raw images
-    keep their stored size, which ``data.image_size`` may only repeat (ConfigError otherwise)."""
-    if meta.encoding == "encoded":
-        side = image_size or DEFAULT_ENCODED_SIZE
-        return [side, side]
-    stored = list(meta.image_size or [])
-    if image_size is not None and [image_size, image_size] != stored:
-        raise ConfigError(f"data.image_size = {image_size} is not accepted for the prepared raw images of "
-                          f"{stored[0]}x{stored[1]} px (meta.json encoding 'raw'); accepted: null or {stored[0]} "
-                          "when square, or prepare them with data.encoding=encoded")
-    return stored
 
 
 class Splits(Dataset):
@@ -186,21 +172,6 @@ def real_sample_mask(first_position: int, batch_len: int, rank: int, world_size:
     return positions < n
 
 
-def steps_per_epoch(num_samples: int, batch_size_per_rank: int, grad_accum_steps: int, world_size: int) -> int:
-    """Optimizer steps in an epoch of ``num_samples`` (each rank's shard, its full batches, then
-    ``grad_accum_steps`` of them a step, as :class:`TrainOrder` serves them)."""
-    return num_samples // world_size // batch_size_per_rank // grad_accum_steps
-
-
-def check_global_batch(num_samples: int, batch_size_per_rank: int, grad_accum_steps: int, world_size: int) -> None:
-    """ConfigError unless an epoch of ``num_samples`` has at least one optimizer step."""
-    if steps_per_epoch(num_samples, batch_size_per_rank, grad_accum_steps, world_size) < 1:
-        raise ConfigError(
-            f"train.grad_accum_steps = {grad_accum_steps} x train.batch_size_per_rank = "
-            f"{batch_size_per_rank} x {world_size} process(es) exceeds the training split "
-            f"({num_samples} samples); accepted: a global batch no larger than the split")
-
-
 @dataclass
 class TrainingData:
     """What a training reads, for one rank: ``meta.json``, the size the network sees, this rank's order of
@@ -215,19 +186,17 @@ class TrainingData:
     world_size: int
 
     @classmethod
-    def load(cls, cfg: Config, meta: Prepared, compute: Compute, *, batch_size_per_rank: int, rank: int,
-             world_size: int, num_workers: int) -> TrainingData:
-        """``paths.prepared`` described by ``meta`` (its normalisation perhaps the pretrained weights'), read
-        and augmented as ``data`` and ``train`` say, onto ``compute``'s device; ConfigError if the global batch
-        exceeds the training split."""
-        size, tc = input_size(meta, cfg.data.image_size), cfg.train
-        check_global_batch(meta.sizes["train"], batch_size_per_rank, tc.grad_accum_steps, world_size)
+    def load(cls, run: Resolved, meta: Prepared, compute: Compute, *, rank: int, world_size: int,
+             num_workers: int) -> TrainingData:
+        """``paths.prepared`` described by ``meta`` (its normalisation perhaps the pretrained weights'), read at
+        ``run``'s input size and batch and augmented as ``data`` and ``train`` say, onto ``compute``'s device."""
+        cfg, size, tc = run.cfg, run.input_size, run.cfg.train
         raw = meta.encoding == "raw"
         crop = None if raw else TrainCrop(size[0], tc.min_crop_scale, tc.hflip, cfg.seed)
         splits = Splits(cfg.paths.prepared, meta, ("train", "val"), size, crop)
         transform = BatchTransform(meta.mean, meta.std, tc.random_crop_padding if raw else 0, tc.hflip and raw,
                                    cfg.seed, compute.device, compute.channels_last)
-        order = TrainOrder(meta.sizes["train"], batch_size_per_rank, rank, world_size, cfg.seed)
+        order = TrainOrder(meta.sizes["train"], run.batch_size_per_rank, rank, world_size, cfg.seed)
         return cls(meta, size, order, Loader(splits, num_workers, compute.pin_memory), transform, rank, world_size)
 
     def train_batches(self, epoch: int, start: int = 0, stop: int | None = None) -> Iterator[tuple]:

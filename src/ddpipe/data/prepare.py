@@ -31,8 +31,8 @@ from ddpipe.data.sources import DataSourceError, FileTable, RawDataset, list_ima
 from ddpipe.data.splits import make_splits, relabel, select_classes
 from ddpipe.data.store import Prepared, PreparedDataError, RawWriter, ShardWriter, write_labels
 from ddpipe.fsutil import atomic_dir
+from ddpipe.resolved import RAW_MAX_SIDE, data_encoding
 
-RAW_MAX_SIDE = 64  # encoding auto: raw when every image has one size with sides at most this
 PROBE_CHUNK, ENCODE_CHUNK, ARRAY_CHUNK = 256, 32, 4096  # files (arrays: images) per piece of work
 IN_FLIGHT_PER_WORKER = 3  # chunks handed out ahead per worker: enough to keep it busy, few to hold
 
@@ -205,13 +205,11 @@ def _choose_encoding(cfg: DataConfig, probed: np.ndarray, rows: np.ndarray) -> s
         shown = ", ".join(f"{w}x{h}" for w, h in sizes[:5].tolist()) + (", ..." if len(sizes) > 5 else "")
         raise ConfigError(f"data.encoding = 'raw' is not accepted for {cfg.source_dir}: raw pixels need one size "
                           f"for every image, found {len(sizes)} sizes ({shown}); accepted: auto or encoded")
-    if cfg.encoding != "auto":
-        return cfg.encoding
-    small = one_size and int(sizes.max(initial=0)) <= RAW_MAX_SIDE
-    encoding = "raw" if small else "encoded"
-    why = "sizes vary" if not one_size else f"one size, {sizes[0][0]}x{sizes[0][1]}" + (
-        "" if small else f", larger than {RAW_MAX_SIDE} px")
-    _say(f"encoding auto -> {encoding} ({why})")
+    encoding, chosen = data_encoding(cfg, one_size, int(sizes.max(initial=0)))
+    if chosen:
+        why = "sizes vary" if not one_size else f"one size, {sizes[0][0]}x{sizes[0][1]}" + (
+            "" if encoding == "raw" else f", larger than {RAW_MAX_SIDE} px")
+        _say(f"encoding auto -> {encoding} ({why})")
     return encoding
 
 

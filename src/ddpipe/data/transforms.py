@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 EVAL_CROP_RATIO = 0.875  # the evaluation crop's side over the shorter side (224 of 256)
-DEFAULT_ENCODED_SIZE = 224  # data.image_size null, for encoded images
 ASPECT_RANGE = (3 / 4, 4 / 3)  # the random-resized crop's aspect ratios (log-uniform)
 
 

@@ -21,9 +21,6 @@ from torch import nn
 from ddpipe.config import ConfigError, ModelConfig
 from ddpipe.models.nets import OWN
 
-# What a config written before torchvision's names were accepted meant by these (a small-image stem)
-RENAMED = {"resnet18": "resnet18_cifar", "resnet34": "resnet34_cifar", "resnet50": "resnet50_cifar"}
-
 
 def torchvision_names() -> list[str]:
     import torchvision
@@ -63,8 +60,6 @@ def kind(name: str) -> str:
 def build_model(cfg: ModelConfig, num_channels: int, num_classes: int) -> nn.Module:
     """The network named by ``model.name`` for images of ``num_channels`` channels, with fresh weights
     (pretrained ones are ddpipe.models.pretrained's)."""
-    if cfg.name == "auto":
-        raise ValueError("model.name = 'auto' names no network until ddpipe.resolved.resolve picks one")
     how = kind(cfg.name)
     kwargs = dict(cfg.kwargs)
     try:

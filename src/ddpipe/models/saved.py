@@ -7,15 +7,16 @@ inputs (``model.name``, ``model.kwargs``, ``model.width``; a ``module:Class`` ne
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from ddpipe.config import ModelConfig
+from ddpipe.config import RENAMED, ModelConfig
 from ddpipe.fsutil import atomic_save
-from ddpipe.models.registry import RENAMED, build_model
+from ddpipe.models.registry import build_model
 
 
 def save_model(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, meta: dict, path: str | Path,
@@ -36,24 +37,44 @@ def save_model(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, meta: dict
     atomic_save(path, lambda f: torch.save(payload, f))
 
 
+@dataclass(frozen=True)
+class SavedModel:
+    """A :func:`save_model` file read by name (on disk it is the plain dict that ``weights_only`` loads)."""
+
+    state_dict: dict[str, torch.Tensor]
+    model: ModelConfig  # what rebuilds the network (keys of older files: today's defaults, eval_flips off)
+    num_channels: int
+    classes: list[str]
+    mean: list[float]  # the input normalisation the network was trained with
+    std: list[float]
+    image_size: list[int]  # the input the network takes, [H, W]
+    encoding: str  # how a client's image becomes that input: raw (resized) or encoded (centre crop, resize)
+    exported_epoch: int | None
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> SavedModel:
+        known = {f.name for f in fields(ModelConfig)}
+        # models saved before model.eval_flips existed predicted without flips
+        model = ModelConfig(**{"eval_flips": False, **{k: v for k, v in payload["model"].items() if k in known}})
+        return cls(state_dict=payload["state_dict"], model=model, num_channels=int(payload["num_channels"]),
+                   classes=list(payload["classes"]), mean=list(payload["mean"]), std=list(payload["std"]),
+                   image_size=[int(s) for s in payload["image_size"]],
+                   encoding=payload.get("encoding", "raw"),  # models saved before encoded data: raw
+                   exported_epoch=payload.get("exported_epoch"))
+
+
 def is_saved_model(payload: object) -> bool:
     """Whether a loaded file is a :func:`save_model` payload (an exported ddpipe model)."""
     return isinstance(payload, dict) and {"state_dict", "model", "classes", "mean", "std"} <= payload.keys()
 
 
-def model_config(payload: dict) -> ModelConfig:
-    """The ModelConfig a saved model was trained with (keys of older files filled with today's defaults)."""
-    known = {f.name for f in fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in payload["model"].items() if k in known})
-
-
-def load_model(path: str | Path) -> tuple[nn.Module, dict]:
-    """The network saved by :func:`save_model` (on the CPU, in eval mode), and the payload's metadata."""
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    cfg = model_config(payload)
-    model = build_model(cfg, payload["num_channels"], len(payload["classes"]))
+def load_model(path: str | Path) -> tuple[nn.Module, SavedModel]:
+    """The network saved by :func:`save_model` (on the CPU, in eval mode), and the file's fields."""
+    saved = SavedModel.from_payload(torch.load(path, map_location="cpu", weights_only=True))
+    cfg = saved.model
+    model = build_model(cfg, saved.num_channels, len(saved.classes))
     try:
-        model.load_state_dict(payload["state_dict"])
+        model.load_state_dict(saved.state_dict)
     except RuntimeError as exc:
         if cfg.name in RENAMED:
             raise ValueError(
@@ -61,4 +82,4 @@ def load_model(path: str | Path) -> tuple[nn.Module, dict]:
                 f"{cfg.name} (ImageNet stem); a file written before that change holds the small-image variant, now "
                 f"named {RENAMED[cfg.name]!r}: retrain with model.name={RENAMED[cfg.name]}") from exc
         raise
-    return model.eval(), payload
+    return model.eval(), saved
