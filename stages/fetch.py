@@ -11,7 +11,8 @@ from pathlib import Path
 
 from ddpipe.cli import execute_stage
 from ddpipe.config import Config
-from ddpipe.data.sources import DataSourceError, fetch
+from ddpipe.data.fetching import fetch
+from ddpipe.data.verify import DataSourceError
 
 
 def main(cfg: Config) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 from ddpipe.cli import execute_stage
 from ddpipe.config import Config
 from ddpipe.data.prepare import prepare
-from ddpipe.data.sources import DataSourceError
 from ddpipe.data.store import PreparedDataError
+from ddpipe.data.verify import DataSourceError
 
 
 def main(cfg: Config) -> None:

@@ -161,12 +161,12 @@ class TinyNet(nn.Module):
 @pytest.fixture
 def accept_test_checksums(monkeypatch: pytest.MonkeyPatch):
     """Make ``verify_file`` accept generated files for ``dataset`` (returns the patcher)."""
-    from ddpipe.data import sources
+    from ddpipe.data import verify
 
     def accept(dataset: str, *directories: Path) -> None:
-        table = dict(sources.CHECKSUMS)
-        table[dataset] = {p.name: (sources.md5sum(p),) for d in directories for p in d.rglob("*") if p.is_file()}
-        monkeypatch.setattr(sources, "CHECKSUMS", table)
+        table = dict(verify.CHECKSUMS)
+        table[dataset] = {p.name: (verify.md5sum(p),) for d in directories for p in d.rglob("*") if p.is_file()}
+        monkeypatch.setattr(verify, "CHECKSUMS", table)
 
     return accept
 
@@ -175,20 +175,20 @@ def accept_test_checksums(monkeypatch: pytest.MonkeyPatch):
 def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Generated MNIST-format data (1,200 train images), fetched and prepared once per session."""
     from ddpipe.config import DataConfig
-    from ddpipe.data import sources
+    from ddpipe.data import verify
+    from ddpipe.data.fetching import fetch
     from ddpipe.data.prepare import prepare
-    from ddpipe.data.sources import fetch
 
     base = tmp_path_factory.mktemp("data")
     src = make_mnist_like(base / "src", n_train=1200, n_test=200)
-    saved = sources.CHECKSUMS["mnist"]
-    sources.CHECKSUMS["mnist"] = {p.name: (sources.md5sum(p),) for p in src.iterdir()}
+    saved = verify.CHECKSUMS["mnist"]
+    verify.CHECKSUMS["mnist"] = {p.name: (verify.md5sum(p),) for p in src.iterdir()}
     try:
         cfg = DataConfig(dataset="mnist", source_dir=str(src), val_fraction=0.125)
         fetch(cfg, base / "raw")
         prepare(cfg, 0, base / "raw", base / "prepared")
     finally:
-        sources.CHECKSUMS["mnist"] = saved
+        verify.CHECKSUMS["mnist"] = saved
     return base / "prepared"
 
 

@@ -17,9 +17,10 @@ from PIL import Image
 
 from bench.imageset import generate
 from ddpipe.config import ConfigError, DataConfig
+from ddpipe.data.fetching import fetch
 from ddpipe.data.prepare import prepare
-from ddpipe.data.sources import DataSourceError, fetch
 from ddpipe.data.store import EncodedSplit, PreparedDataError, RawSplit, load_meta, open_split
+from ddpipe.data.verify import DataSourceError
 from tests.conftest import FASHION_DIR, ROOT, clone_repo, make_imagefolder, make_mnist_like, run, subprocess_env
 
 

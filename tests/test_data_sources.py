@@ -15,16 +15,11 @@ import numpy as np
 import pytest
 
 from ddpipe.config import DataConfig
-from ddpipe.data import sources
-from ddpipe.data.sources import (
-    DataSourceError,
-    fetch,
-    list_imagefolder,
-    read_arrays,
-    read_cifar10,
-    read_idx,
-    verify_file,
-)
+from ddpipe.data import fetching, verify
+from ddpipe.data.fetching import fetch
+from ddpipe.data.folders import list_imagefolder
+from ddpipe.data.formats import read_arrays, read_cifar10, read_idx
+from ddpipe.data.verify import DataSourceError, verify_file
 from tests.conftest import FASHION_DIR, make_cifar_like, make_imagefolder, make_mnist_like, run, write_idx
 
 
@@ -180,7 +175,7 @@ def test_source_dir_is_searched_first_then_the_next_source(tmp_path: Path, monke
     files it is passed over, holding some of them is an error naming what is missing."""
     debian = make_mnist_like(tmp_path / "debian")
     accept_test_checksums("mnist", debian)
-    monkeypatch.setattr(sources, "DEBIAN_DIRS", {"mnist": str(debian)})
+    monkeypatch.setattr(fetching, "DEBIAN_DIRS", {"mnist": str(debian)})
     (tmp_path / "empty").mkdir()
     origin = fetch(DataConfig(dataset="mnist", source_dir=str(tmp_path / "empty")), tmp_path / "out")
     assert origin.startswith("Debian's dataset-mnist package")
@@ -199,7 +194,7 @@ def test_fetch_from_source_dir_copies_verified_files(tmp_path: Path, accept_test
     (out / "stale.txt").write_text("old")
     origin = fetch(DataConfig(dataset="mnist", source_dir=str(src)), out)
     assert "data.source_dir" in origin
-    assert sorted(p.name for p in out.iterdir()) == sorted(sources.required_files("mnist"))
+    assert sorted(p.name for p in out.iterdir()) == sorted(verify.required_files("mnist"))
 
 
 def test_fetch_cifar_from_archive(tmp_path: Path, accept_test_checksums) -> None:
@@ -216,7 +211,7 @@ def test_fetch_cifar_from_archive(tmp_path: Path, accept_test_checksums) -> None
 
 
 def test_offline_without_a_copy_lists_three_ways(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sources, "DEBIAN_DIRS", {"mnist": str(tmp_path / "no-debian")})
+    monkeypatch.setattr(fetching, "DEBIAN_DIRS", {"mnist": str(tmp_path / "no-debian")})
     with pytest.raises(DataSourceError) as err:
         fetch(DataConfig(dataset="mnist", download=False), tmp_path / "out")
     message = str(err.value)
@@ -245,7 +240,7 @@ def test_download_path_with_local_mirror(tmp_path: Path, local_server, accept_te
     served, url = local_server
     make_mnist_like(served)
     accept_test_checksums("mnist", served)
-    monkeypatch.setattr(sources, "DEBIAN_DIRS", {})
+    monkeypatch.setattr(fetching, "DEBIAN_DIRS", {})
     origin = fetch(DataConfig(dataset="mnist"), tmp_path / "out", download_urls={"mnist": [url]})
     assert origin == "torchvision's download"
     assert read_arrays(DataConfig(dataset="mnist"), tmp_path / "out").train_images.shape[0] == 200
@@ -254,12 +249,12 @@ def test_download_path_with_local_mirror(tmp_path: Path, local_server, accept_te
 def test_download_failure_is_reported_with_the_ways(tmp_path: Path, local_server,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     _, url = local_server  # serves nothing: 404 for every file
-    monkeypatch.setattr(sources, "DEBIAN_DIRS", {})
+    monkeypatch.setattr(fetching, "DEBIAN_DIRS", {})
     with pytest.raises(DataSourceError, match="download failed"):
         fetch(DataConfig(dataset="fashion_mnist"), tmp_path / "out", download_urls={"fashion_mnist": [url]})
 
 
 @pytest.mark.skipif(not FASHION_DIR.is_dir(), reason="Debian's dataset-fashion-mnist is not installed")
 def test_debian_fashion_mnist_files_verify() -> None:
-    for name in sources.required_files("fashion_mnist"):
+    for name in verify.required_files("fashion_mnist"):
         verify_file(FASHION_DIR / name, "fashion_mnist")

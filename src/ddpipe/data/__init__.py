@@ -3,11 +3,14 @@
     loading      what a rank reads: samplers (keyed order), the DataLoader and its workers, TrainingData
     transforms   keyed augmentation and the evaluation crop (the served model applies the same)
     prepare      the prepare stage: source -> seeded stratified splits -> the store, in parallel, atomically
+    fetching     the fetch stage: where a dataset's files come from (source_dir, Debian, download)
+    formats      the parsers of the fetched files (the MNISTs' IDX, CIFAR-10's pickles)
+    folders      a folder of one's own: its class folders listed, and what it leaves out
+    verify       the official files' names and MD5 checks; DataSourceError
     images       one source image: probed, decoded, oriented, converted, re-encoded (PIL and numpy only)
     splits       stratified seeded splits and the class subset
     store        the prepared format on disk (meta.json, labels, raw pixel arrays or encoded shards + index)
                  and its memory-mapped reader
-    sources      where a dataset's files come from, their checks and parsers, the class folders of one's own
 
 Nothing is imported here: the prepare stage's worker processes import only ``images`` (no torch).
 """

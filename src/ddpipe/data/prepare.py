@@ -26,10 +26,12 @@ import numpy as np
 
 from ddpipe.config import ConfigError, DataConfig
 from ddpipe.data import images
+from ddpipe.data.folders import FileTable, list_imagefolder
+from ddpipe.data.formats import RawDataset, read_arrays
 from ddpipe.data.images import BadImage, channel_sums, mean_std
-from ddpipe.data.sources import DataSourceError, FileTable, RawDataset, list_imagefolder, read_arrays
 from ddpipe.data.splits import make_splits, relabel, select_classes
 from ddpipe.data.store import Prepared, PreparedDataError, RawWriter, ShardWriter, write_labels
+from ddpipe.data.verify import DataSourceError
 from ddpipe.fsutil import atomic_dir
 from ddpipe.resolved import RAW_MAX_SIDE, data_encoding
 
