@@ -10,7 +10,7 @@ checked: the prepare stage reads it where it lies.
 from pathlib import Path
 
 from ddpipe.cli import run_stage
-from ddpipe.config import Config
+from ddpipe.config.schema import Config
 from ddpipe.data.sources import DataSourceError, fetch
 
 

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from ddpipe.cli import run_stage
-from ddpipe.config import Config
+from ddpipe.config.schema import Config
 from ddpipe.data.prepare import prepare
 from ddpipe.data.sources import DataSourceError
 from ddpipe.data.store import PreparedDataError

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ddpipe import devices
-from ddpipe.config import ConfigError, TrainConfig, load_config
+from ddpipe.config.loading import load_config
+from ddpipe.config.schema import ConfigError, TrainConfig
 from ddpipe.devices import Compute, cpu_count, cpu_supports_bf16, resolve_precision, use_channels_last
 
 CPU = torch.device("cpu")

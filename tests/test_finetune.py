@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ddpipe.checkpoint import list_checkpoints
-from ddpipe.config import TrainConfig
+from ddpipe.config.schema import TrainConfig
 from ddpipe.finetune import FineTuning
 from ddpipe.models.nets import ResNetCompact
 from ddpipe.training import train

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from ddpipe.batchnorm import convert_sync_batchnorm
-from ddpipe.config import TrainConfig, load_config
+from ddpipe.config.loading import load_config
+from ddpipe.config.schema import TrainConfig
 from ddpipe.data.loading import TrainingData
 from ddpipe.data.store import load_meta, open_split
 from ddpipe.data.transforms import BatchTransform
@@ -100,7 +101,7 @@ def test_encoded_images_decoded_by_loader_workers_reach_the_gpu_pinned(tmp_path:
     """JPEG/PNG files of many sizes: 2 persistent workers decode and crop, the pin-memory thread pins, and
     the batches equal those decoded without workers."""
     from bench.imageset import generate
-    from ddpipe.config import DataConfig
+    from ddpipe.config.schema import DataConfig
     from ddpipe.data.prepare import prepare
 
     src = generate(tmp_path / "imgs", 60, 3)

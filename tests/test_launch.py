@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddpipe.config import ConfigError, DistributedConfig
+from ddpipe.config.schema import ConfigError, DistributedConfig
 from ddpipe.hostshare import GpuLease
 from ddpipe.launch import Job, resolve_job, torchrun_command
 from ddpipe.preemption import EXIT_PREEMPTED

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ddpipe import devices
-from ddpipe.config import ConfigError, load_config
+from ddpipe.config.loading import load_config
+from ddpipe.config.schema import ConfigError
 from ddpipe.resolved import resolve
 
 CPU = torch.device("cpu")

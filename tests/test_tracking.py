@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddpipe.config import Config, DistributedConfig, MlflowConfig, load_config
+from ddpipe.config.loading import load_config
+from ddpipe.config.schema import Config, DistributedConfig, MlflowConfig
 from ddpipe.distributed import DistInfo
 from ddpipe.launch import torchrun_command
 from ddpipe.runstore import dvc_hash, tracking_uri

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddpipe.config import ConfigError, TrainConfig
+from ddpipe.config.schema import ConfigError, TrainConfig
 
 
 def cpu_count() -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ddpipe.config import TrainConfig
+from ddpipe.config.schema import TrainConfig
 from ddpipe.models.registry import classifier_head
 
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from mlflow.pyfunc import PythonModelContext
 
-from ddpipe.config import Config
+from ddpipe.config.schema import Config
 from ddpipe.data.transforms import BatchTransform, EvalCrop
 from ddpipe.models.nets import predict_logits
 from ddpipe.models.registry import code_paths

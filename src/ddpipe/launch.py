@@ -34,7 +34,8 @@ import torch
 
 from ddpipe.access import check_access
 from ddpipe.cli import load_or_exit
-from ddpipe.config import Config, ConfigError, DistributedConfig, user_errors
+from ddpipe.config.loading import user_errors
+from ddpipe.config.schema import Config, ConfigError, DistributedConfig
 from ddpipe.data.store import PreparedDataError
 from ddpipe.devices import cpu_count, resolve_precision
 from ddpipe.exact import check_exact
@@ -130,7 +131,7 @@ def resolve_job(d: DistributedConfig) -> Job:
     one process that uses every core as intra-op threads, which measured faster than one single-thread process
     per core (BENCHMARKS.md, "DDP overhead"). An int is refused above the GPUs (CUDA) or cores (CPU)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    nodes = [int(n) for n in d.nnodes.split(":")]  # N or MIN:MAX, checked by config.validate
+    nodes = [int(n) for n in d.nnodes.split(":")]  # N or MIN:MAX, checked by config.checks.validate
     if d.nproc_per_node == "auto":
         return Job(gpus or 1, nodes[0], nodes[-1])
     nproc = int(d.nproc_per_node)

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpipe.config import Config
+from ddpipe.config.schema import Config
 from ddpipe.data.store import Prepared
 from ddpipe.distributed import DistInfo
 from ddpipe.fsutil import atomic_write_json, atomic_write_text

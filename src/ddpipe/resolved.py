@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from ddpipe.checkpoint import run_fingerprint
-from ddpipe.config import Config, flatten, trajectory
+from ddpipe.config.keys import flatten, trajectory
+from ddpipe.config.schema import Config
 from ddpipe.data.loading import check_global_batch, input_size, steps_per_epoch
 from ddpipe.data.store import Prepared, load_meta
 from ddpipe.devices import auto_choice, device_kind, eval_batch_size
@@ -56,7 +57,7 @@ class Resolved:
                 "train.eval_batch_size_per_rank": self.eval_batch_size_per_rank}
 
     def trajectory(self) -> dict[str, Any]:
-        """The keys that shape the training trajectory (``config.trajectory``) with the network resolved."""
+        """The keys that shape the training trajectory (``config.keys.trajectory``) with the network resolved."""
         keys = trajectory(self.cfg)
         if self.cfg.model.name in RENAMED:  # torchvision's network now, not the small-stem one of older checkpoints
             keys["model.torchvision_stem"] = True

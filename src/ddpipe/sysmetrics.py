@@ -9,7 +9,7 @@ import threading
 import time
 import warnings
 
-from ddpipe.config import MlflowConfig
+from ddpipe.config.schema import MlflowConfig
 from ddpipe.distributed import DistInfo
 from ddpipe.outbox import Courier, Journal, outbox_root
 from ddpipe.runstore import bound_http_requests, is_server, tracking_uri

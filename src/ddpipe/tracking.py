@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from ddpipe import __version__
-from ddpipe.config import Config, MlflowConfig, to_yaml
+from ddpipe.config.loading import to_yaml
+from ddpipe.config.schema import Config, MlflowConfig
 from ddpipe.data.store import load_meta
 from ddpipe.delivery import is_transient
 from ddpipe.distributed import DistInfo

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddpipe import distributed as dd
 from ddpipe.batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
 from ddpipe.checkpoint import Checkpointer, Position
-from ddpipe.config import Config
+from ddpipe.config.schema import Config
 from ddpipe.data.loading import TrainingData
 from ddpipe.data.store import Prepared
 from ddpipe.devices import Compute, deterministic_kernels, loader_workers

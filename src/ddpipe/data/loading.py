@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from ddpipe.config import Config, ConfigError
+from ddpipe.config.schema import Config, ConfigError
 from ddpipe.data.store import EncodedSplit, Prepared, RawSplit, open_split
 from ddpipe.data.transforms import DEFAULT_ENCODED_SIZE, BatchTransform, EvalCrop, TrainCrop, decode
 from ddpipe.devices import Compute

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ddpipe.config import ConfigError, DataConfig
+from ddpipe.config.schema import ConfigError, DataConfig
 from ddpipe.data import images
 from ddpipe.data.images import BadImage, channel_sums, mean_std
 from ddpipe.data.sources import DataSourceError, FileTable, RawDataset, list_imagefolder, read_arrays

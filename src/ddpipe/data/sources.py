@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddpipe.config import DataConfig
+from ddpipe.config.schema import DataConfig
 from ddpipe.data.images import IMAGE_SUFFIXES, is_image_name
 from ddpipe.fsutil import atomic_dir, atomic_write_json
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ddpipe.config import ConfigError, ModelConfig
+from ddpipe.config.schema import ConfigError, ModelConfig
 from ddpipe.models.nets import OWN
 
 # What a config written before torchvision's names were accepted meant by these (a small-image stem)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ddpipe.config import ModelConfig
+from ddpipe.config.schema import ModelConfig
 from ddpipe.fsutil import atomic_save
 from ddpipe.models.registry import RENAMED, build_model
 
