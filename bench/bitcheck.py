@@ -37,9 +37,9 @@ RUNS: list[tuple[str, int, list[str]]] = [
     ("shm-2", 2, []),
     ("exact-1", 1, ["distributed.exact=true"]),
     ("exact-2", 2, ["distributed.exact=true"]),
-    ("finetune-1", 1, ["model.weights={tmp}/pretrained/auto-1.pt", "train.freeze_body_epochs=1", "train.body_lr_ratio=0.1",
-                       "train.grad_accum_steps=2", "train.optimizer=sgd", "train.checkpoint_every_steps=3",
-                       "train.export=last"]),
+    ("finetune-1", 1, ["model.weights={tmp}/pretrained/auto-1.pt", "train.freeze_body_epochs=1",
+                       "train.body_lr_ratio=0.1", "train.grad_accum_steps=2", "train.optimizer=sgd",
+                       "train.checkpoint_every_steps=3", "train.export=last"]),
     ("folder-1", 1, ["data.dataset=imagefolder", "data.source_dir={tmp}/images", "data.image_size=32",
                      "paths.prepared={tmp}/folder-prepared", "model.name=resnet_small"]),
 ]
@@ -61,8 +61,8 @@ def _common(tmp: Path, out: Path) -> list[str]:
             f"paths.history={out}/history.csv", f"paths.test_metrics={out}/test.json",
             f"paths.confusion={out}/confusion.csv", f"paths.per_class={out}/per_class.csv",
             f"paths.reports={out}/reports", f"mlflow.tracking_uri=sqlite:///{tmp}/mlflow.db",
-            f"mlflow.outbox={tmp}/outbox", f"paths.pretrained={tmp}/pretrained", "train.progress_bar=false", "num_epochs=2", "model.width=8",
-            "data.max_train_samples=3000"]
+            f"mlflow.outbox={tmp}/outbox", f"paths.pretrained={tmp}/pretrained", "train.progress_bar=false",
+            "num_epochs=2", "model.width=8", "data.max_train_samples=3000"]
 
 
 def _run(cmd: list[str]) -> None:
@@ -94,7 +94,8 @@ def _rows(path: Path) -> list[dict[str, Any]]:
 
 def _golden() -> str:
     from ddpipe.checkpoint import run_fingerprint
-    from ddpipe.config import load_config, trajectory
+    from ddpipe.config.keys import trajectory
+    from ddpipe.config.loading import load_config
 
     return run_fingerprint(trajectory(load_config([], params_file=REPO / "params.yaml")), 256, 0.003, {"sizes": [1]})
 
@@ -107,7 +108,7 @@ def record(out_json: Path) -> None:
         for run_name, nproc, extra in RUNS:
             out = tmp / run_name
             args = _common(tmp, out) + [x.format(tmp=tmp) for x in extra]
-            prepared = next((a.split("=", 1)[1] for a in args[::-1] if a.startswith("paths.prepared=")))
+            prepared = next(a.split("=", 1)[1] for a in args[::-1] if a.startswith("paths.prepared="))
             if not (Path(prepared) / "meta.json").is_file():
                 _run(["stages/fetch.py", *args])
                 _run(["stages/prepare.py", *args])

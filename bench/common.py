@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from ddpipe.config import Config, load_config
+from ddpipe.config.loading import load_config
+from ddpipe.config.schema import Config
 from ddpipe.data.store import load_meta
 from ddpipe.devices import cpu_count
 

@@ -38,7 +38,7 @@ from common import REPO, RESULTS, append_jsonl, clean_env, markdown_table, print
 from imageset import generate
 from omegaconf import OmegaConf
 
-from ddpipe.config import load_config
+from ddpipe.config.loading import load_config
 from ddpipe.data.loading import TrainingData
 from ddpipe.data.store import load_meta, open_split
 from ddpipe.data.transforms import decode

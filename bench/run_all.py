@@ -41,7 +41,8 @@ from common import (
 )
 from omegaconf import OmegaConf
 
-from ddpipe.config import Config, load_config
+from ddpipe.config.loading import load_config
+from ddpipe.config.schema import Config
 from ddpipe.devices import cpu_count, cpu_supports_bf16
 from ddpipe.launch import torchrun_command, train_script
 

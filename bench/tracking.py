@@ -22,7 +22,7 @@ from pathlib import Path
 
 from common import REPO, clean_env, ensure_prepared, markdown_table, print_machine, run_timed, temp_dir
 
-from ddpipe.config import Config, MlflowConfig
+from ddpipe.config.schema import Config, MlflowConfig
 from ddpipe.ranks import DistInfo
 from ddpipe.tracking import MlflowTracker
 

@@ -4,7 +4,7 @@
 """
 
 from ddpipe.cli import execute_stage
-from ddpipe.config import Config
+from ddpipe.config.schema import Config
 from ddpipe.data.store import PreparedDataError
 
 

@@ -10,7 +10,7 @@ checked: the prepare stage reads it where it lies.
 from pathlib import Path
 
 from ddpipe.cli import execute_stage
-from ddpipe.config import Config
+from ddpipe.config.schema import Config
 from ddpipe.data.fetching import fetch
 from ddpipe.data.verify import DataSourceError
 

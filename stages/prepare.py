@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from ddpipe.cli import execute_stage
-from ddpipe.config import Config
+from ddpipe.config.schema import Config
 from ddpipe.data.prepare import prepare
 from ddpipe.data.store import PreparedDataError
 from ddpipe.data.verify import DataSourceError

@@ -15,7 +15,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddpipe.cli import load_or_exit
-from ddpipe.config import user_errors
+from ddpipe.config.loading import user_errors
 from ddpipe.data.store import PreparedDataError
 from ddpipe.launch import worker_config
 

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from ddpipe.config import Config, DistributedConfig, load_config
+from ddpipe.config.loading import load_config
+from ddpipe.config.schema import Config, DistributedConfig
 from ddpipe.launch import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,7 +132,7 @@ def prepare_generated_folder(base: Path, count: int, val_fraction: float) -> Pat
     """A generated class-per-folder set of ``count`` JPEG/PNG files of many sizes (bench/imageset.py, 3 classes),
     prepared (encoded) into base/prepared with one worker."""
     from bench.imageset import generate
-    from ddpipe.config import DataConfig
+    from ddpipe.config.schema import DataConfig
     from ddpipe.data.prepare import prepare
 
     folder = generate(base / "imgs", count, 3)
@@ -174,7 +175,7 @@ def accept_test_checksums(monkeypatch: pytest.MonkeyPatch):
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Generated MNIST-format data (1,200 train images), fetched and prepared once per session."""
-    from ddpipe.config import DataConfig
+    from ddpipe.config.schema import DataConfig
     from ddpipe.data import verify
     from ddpipe.data.fetching import fetch
     from ddpipe.data.prepare import prepare

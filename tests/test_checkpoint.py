@@ -155,7 +155,9 @@ def test_the_fingerprint_of_a_configuration_stays_what_it_was() -> None:
 (model.weights, fine-tuning) leave it unchanged at their defaults (checkpoint.ADDED_LATER)."""
     from dataclasses import asdict
 
-    from ddpipe.config import Config, load_config, trajectory
+    from ddpipe.config.keys import trajectory
+    from ddpipe.config.loading import load_config
+    from ddpipe.config.schema import Config
     from ddpipe.data.store import Prepared
 
     data = Prepared(dataset="fashion_mnist", classes=["a", "b"], num_channels=1, encoding="raw", image_size=[28, 28],

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from ddpipe.config import Config, ConfigError, flatten, flatten_mapping, load_config, schema_table, trajectory
+from ddpipe.config.keys import flatten, flatten_mapping, trajectory
+from ddpipe.config.loading import load_config, schema_table
+from ddpipe.config.schema import Config, ConfigError
 from tests.conftest import PARAMS, ROOT, run
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from ddpipe.config import ConfigError, load_config
+from ddpipe.config.loading import load_config
+from ddpipe.config.schema import ConfigError
 from ddpipe.data.loading import BatchKey, Splits, TrainingData, TrainOrder, eval_batches, real_sample_mask
 from ddpipe.data.store import load_meta
 from ddpipe.data.transforms import BatchTransform, EvalCrop, TrainCrop, decode

@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from bench.imageset import generate
-from ddpipe.config import ConfigError, DataConfig
+from ddpipe.config.schema import ConfigError, DataConfig
 from ddpipe.data.fetching import fetch
 from ddpipe.data.prepare import prepare
 from ddpipe.data.store import EncodedSplit, PreparedDataError, RawSplit, load_meta, open_split

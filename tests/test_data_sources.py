@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddpipe.config import DataConfig
+from ddpipe.config.schema import DataConfig
 from ddpipe.data import fetching, verify
 from ddpipe.data.fetching import fetch
 from ddpipe.data.folders import list_imagefolder

@@ -8,7 +8,7 @@ import re
 import pytest
 import yaml
 
-from ddpipe.config import load_config
+from ddpipe.config.loading import load_config
 from ddpipe.exits import EXIT_PREEMPTED
 from tests.conftest import PARAMS, ROOT
 

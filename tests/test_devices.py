@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ddpipe import resolved
-from ddpipe.config import ConfigError, load_config
+from ddpipe.config.loading import load_config
+from ddpipe.config.schema import ConfigError
 from ddpipe.devices import Compute, cpu_count, cpu_supports_bf16
 from ddpipe.resolved import resolve_precision, use_channels_last
 

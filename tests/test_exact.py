@@ -14,7 +14,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpipe.batchnorm import ExactBatchNorm, _per_sample_sums
-from ddpipe.config import ConfigError, load_config
+from ddpipe.config.loading import load_config
+from ddpipe.config.schema import ConfigError
 from ddpipe.exact import ExactConv2d, ExactLinear, make_exact
 from ddpipe.models.nets import ResNetSmall
 from tests.conftest import args_for, max_rel_diff, run, spawn, torchrun, weights

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpipe.config import DistributedConfig
+from ddpipe.config.schema import DistributedConfig
 from ddpipe.launch import torchrun_command
 from tests.conftest import (
     CLONE_ENV,

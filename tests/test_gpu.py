@@ -19,15 +19,15 @@ import torch
 from torch import nn
 
 from ddpipe.batchnorm import convert_sync_batchnorm
-from ddpipe.config import load_config
+from ddpipe.config.loading import load_config
 from ddpipe.data.loading import TrainingData
 from ddpipe.data.store import load_meta, open_split
 from ddpipe.data.transforms import BatchTransform
 from ddpipe.devices import Compute
-from ddpipe.resolved import resolve, use_channels_last
+from ddpipe.exits import EXIT_PREEMPTED
 from ddpipe.models.nets import ResNetSmall
 from ddpipe.models.saved import load_model
-from ddpipe.exits import EXIT_PREEMPTED
+from ddpipe.resolved import resolve, use_channels_last
 from tests.conftest import FIRST_EPOCH, ROOT, args_for, subprocess_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -105,7 +105,7 @@ def test_encoded_images_decoded_by_loader_workers_reach_the_gpu_pinned(tmp_path:
     """JPEG/PNG files of many sizes: 2 persistent workers decode and crop, the pin-memory thread pins, and
     the batches equal those decoded without workers."""
     from bench.imageset import generate
-    from ddpipe.config import DataConfig
+    from ddpipe.config.schema import DataConfig
     from ddpipe.data.prepare import prepare
 
     src = generate(tmp_path / "imgs", 60, 3)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from bench.imageset import generate
-from ddpipe.config import ModelConfig
+from ddpipe.config.schema import ModelConfig
 from ddpipe.data.store import open_split
 from ddpipe.data.transforms import EvalCrop, decode
 from ddpipe.inference import ImageClassifier, prediction_frame

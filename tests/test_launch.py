@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddpipe.config import ConfigError, DistributedConfig
+from ddpipe.config.schema import ConfigError, DistributedConfig
+from ddpipe.exits import EXIT_PREEMPTED
 from ddpipe.hostshare import GpuLease
 from ddpipe.launch import torchrun_command
-from ddpipe.exits import EXIT_PREEMPTED
 from ddpipe.resolved import Job, resolve_job
 from tests.conftest import ROOT, args_for, run, subprocess_env
 

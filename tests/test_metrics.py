@@ -11,8 +11,8 @@ from ddpipe.data.loading import BatchKey, Splits, eval_batches
 from ddpipe.data.store import load_meta
 from ddpipe.data.transforms import BatchTransform
 from ddpipe.devices import Compute
-from ddpipe.ranks import DistInfo
 from ddpipe.metrics import evaluate_split
+from ddpipe.ranks import DistInfo
 from tests.conftest import spawn
 
 

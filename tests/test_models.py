@@ -11,7 +11,7 @@ import torch
 import torchvision
 from torch import nn
 
-from ddpipe.config import ConfigError, ModelConfig
+from ddpipe.config.schema import ConfigError, ModelConfig
 from ddpipe.data.store import Prepared
 from ddpipe.models.pretrained import WeightsError, apply_pretrained, load_pretrained
 from ddpipe.models.registry import build_model, classifier_head, code_paths
@@ -189,7 +189,7 @@ def test_a_torchvision_weights_name_reads_torch_hubs_cache_and_says_where_offlin
 def test_the_launcher_says_when_dvc_yaml_misses_the_networks_file(repo_dir: Path,
                                                                  capsys: pytest.CaptureFixture) -> None:
     """An edit to mynets.py re-runs train and evaluate only if dvc.yaml lists it: the launcher checks."""
-    from ddpipe.config import load_config
+    from ddpipe.config.loading import load_config
     from ddpipe.launch import note_network
     from ddpipe.network import build_network
     from ddpipe.resolved import resolve

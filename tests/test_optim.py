@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from ddpipe.config import TrainConfig
+from ddpipe.config.schema import TrainConfig
 from ddpipe.optim import lr_lambda, lr_scale
 
 

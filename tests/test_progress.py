@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from ddpipe.ranks import DistInfo
 from ddpipe.metrics import EpochProgress
 from ddpipe.progress import LINE_EVERY_S, LineProgress, NullProgress, Progress, make_progress
+from ddpipe.ranks import DistInfo
 
 
 class FakeMeter:

@@ -11,7 +11,8 @@ import torch
 
 from ddpipe import resolved
 from ddpipe.checkpoint import run_fingerprint
-from ddpipe.config import ConfigError, load_config
+from ddpipe.config.loading import load_config
+from ddpipe.config.schema import ConfigError
 from ddpipe.resolved import resolve
 
 CPU = torch.device("cpu")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpipe.config import TrainConfig
+from ddpipe.config.schema import TrainConfig
 from ddpipe.exits import EXIT_PREEMPTED
 from ddpipe.selection import ModelSelection
 from tests.conftest import CLONE_ENV, ROOT, args_for, run, same_weights, subprocess_env, weights

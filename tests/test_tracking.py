@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddpipe.config import Config, DistributedConfig, MlflowConfig, load_config
-from ddpipe.ranks import DistInfo
+from ddpipe.config.loading import load_config
+from ddpipe.config.schema import Config, DistributedConfig, MlflowConfig
 from ddpipe.launch import torchrun_command
+from ddpipe.ranks import DistInfo
 from ddpipe.runstore import dvc_hash, tracking_uri
 from ddpipe.tracking import MlflowTracker, NullTracker, make_tracker
 from tests.conftest import (

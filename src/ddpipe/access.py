@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import quote
 
-from ddpipe.config import ConfigError, MlflowConfig
+from ddpipe.config.schema import ConfigError, MlflowConfig
 from ddpipe.runstore import bound_http_requests, experiment_id, is_server, redact, tracking_uri
 
 WRITERS = ("EDIT", "MANAGE")

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from ddpipe.distributed import barrier, broadcast_object, print0
-from ddpipe.ranks import DistInfo
 from ddpipe.fsutil import atomic_save
+from ddpipe.ranks import DistInfo
 
 _NAME = re.compile(r"^ckpt-(?P<fp>[0-9a-f]{12})-e(?P<epoch>\d{4,})-s(?P<step>\d{6,})\.pt$")
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from ddpipe.config import Config, load_config, user_errors
+from ddpipe.config.loading import load_config, user_errors
+from ddpipe.config.schema import Config
 
 USAGE = "usage: python {script} [key=value ...]   (keys as in params.yaml, e.g. num_epochs=20)"
 

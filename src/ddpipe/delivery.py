@@ -152,7 +152,7 @@ def _model(client: Any, journal: Any, run_id: str, rec: dict) -> None:
     import numpy as np
     from mlflow.tracking import fluent
 
-    from ddpipe.config import load_config
+    from ddpipe.config.loading import load_config
     from ddpipe.inference import log_model
     from ddpipe.runstore import git_tags
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpipe import hostcomm
-from ddpipe.config import DistributedConfig
+from ddpipe.config.schema import DistributedConfig
 from ddpipe.devices import cpu_count
 from ddpipe.ranks import DistInfo
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ddpipe.champion import test_split_digest
-from ddpipe.config import Config
+from ddpipe.config.schema import Config
 from ddpipe.data.loading import BatchKey, Loader, Splits
 from ddpipe.data.store import PreparedDataError, load_meta
 from ddpipe.devices import cpu_count

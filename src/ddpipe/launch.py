@@ -33,7 +33,8 @@ import torch
 
 from ddpipe.access import check_access
 from ddpipe.cli import load_or_exit
-from ddpipe.config import RENAMED, Config, ConfigError, DistributedConfig, user_errors
+from ddpipe.config.loading import user_errors
+from ddpipe.config.schema import RENAMED, Config, ConfigError, DistributedConfig
 from ddpipe.data.store import PreparedDataError
 from ddpipe.exits import EXIT_PREEMPTED, STOP_SIGNALS
 from ddpipe.hostshare import GpuLease, visible_gpus

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from ddpipe.batchnorm import convert_sync_batchnorm
-from ddpipe.config import ConfigError
+from ddpipe.config.schema import ConfigError
 from ddpipe.exact import check_exact, make_exact
 from ddpipe.finetune import FineTuning
 from ddpipe.models.pretrained import Pretrained, apply_pretrained, load_pretrained

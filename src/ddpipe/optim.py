@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from ddpipe.config import TrainConfig
+from ddpipe.config.schema import TrainConfig
 
 
 def lr_scale(rule: str, world_size: int) -> float:

@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol, TextIO
 
-from ddpipe.ranks import DistInfo
 from ddpipe.metrics import EpochProgress
+from ddpipe.ranks import DistInfo
 
 LINES_PER_EPOCH = 5  # a line at every 1/5 of the epoch (not at its end: the epoch line says it)
 LINE_EVERY_S = 120.0  # and one at least this often, so a log of long epochs still shows it is alive

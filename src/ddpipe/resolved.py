@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ddpipe.config import RENAMED, Config, ConfigError, DataConfig, DistributedConfig, ModelConfig, TrainConfig, \
-    flatten, trajectory
+from ddpipe.config.keys import flatten, trajectory
+from ddpipe.config.schema import RENAMED, Config, ConfigError, DataConfig, DistributedConfig, ModelConfig, TrainConfig
 from ddpipe.data.store import Prepared, load_meta
 from ddpipe.devices import Compute, cpu_count, cpu_has_amx, cpu_supports_bf16
 
@@ -92,7 +92,8 @@ class Resolved:
 
     def params(self) -> dict[str, Any]:
         """Every config key flattened, with the values ``auto`` took: what the run records as its params."""
-        return {**flatten(self.cfg), "model.name": self.model_name, "train.batch_size_per_rank": self.batch_size_per_rank,
+        return {**flatten(self.cfg), "model.name": self.model_name,
+                "train.batch_size_per_rank": self.batch_size_per_rank,
                 "train.eval_batch_size_per_rank": self.eval_batch_size_per_rank}
 
     def trajectory(self) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ddpipe.config import MlflowConfig
+from ddpipe.config.schema import MlflowConfig
 from ddpipe.procs import host_lock
 
 # Bounded cost when a tracking server is down or slow; the user's own MLFLOW_HTTP_* settings win.

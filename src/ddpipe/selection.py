@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddpipe.config import TrainConfig
+from ddpipe.config.schema import TrainConfig
 
 
 class ModelSelection:

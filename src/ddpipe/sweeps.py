@@ -23,7 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from ddpipe.config import Config, flatten, user_errors
+from ddpipe.config.keys import flatten
+from ddpipe.config.loading import user_errors
+from ddpipe.config.schema import Config
 from ddpipe.runstore import bound_http_requests, find_sweep_parent, tracking_uri
 
 METRICS = ("test_accuracy", "test_macro_f1")

@@ -9,9 +9,9 @@ import threading
 import time
 import warnings
 
-from ddpipe.config import MlflowConfig
-from ddpipe.ranks import DistInfo
+from ddpipe.config.schema import MlflowConfig
 from ddpipe.outbox import Courier, Journal, outbox_root
+from ddpipe.ranks import DistInfo
 from ddpipe.runstore import bound_http_requests, is_server, tracking_uri
 
 

@@ -28,14 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from ddpipe import __version__
-from ddpipe.config import Config, MlflowConfig, to_yaml
+from ddpipe.config.loading import to_yaml
+from ddpipe.config.schema import Config, MlflowConfig
 from ddpipe.data.store import load_meta
 from ddpipe.delivery import is_transient
-from ddpipe.ranks import DistInfo
+from ddpipe.exits import Preempted
 from ddpipe.fsutil import atomic_write_json
 from ddpipe.outbox import Courier, Journal, describe, finished, new_key, outbox_root
-from ddpipe.exits import Preempted
 from ddpipe.procs import alive_here, this_process
+from ddpipe.ranks import DistInfo
 from ddpipe.runstore import (
     bound_http_requests,
     dvc_hash,

@@ -24,7 +24,7 @@ from ddpipe import distributed as dd
 from ddpipe.batchnorm import CPUSyncBatchNorm
 from ddpipe.checkpoint import Checkpointer, Position, run_fingerprint
 from ddpipe.data.loading import TrainingData
-from ddpipe.devices import deterministic_kernels
+from ddpipe.devices import Compute, deterministic_kernels
 from ddpipe.exact import clip_grad_norm_ as exact_clip_grad_norm_
 from ddpipe.exits import Preempted
 from ddpipe.hostshare import HostShare

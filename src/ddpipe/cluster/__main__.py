@@ -26,7 +26,7 @@ import yaml
 
 from ddpipe.cluster import ClusterError, kubernetes, records, slurm
 from ddpipe.cluster.queue import Queued, exp_ref, git, pin_and_dequeue, queued
-from ddpipe.config import user_errors
+from ddpipe.config.loading import user_errors
 from ddpipe.runstore import is_server, redact, tracking_uri
 
 FLAGS = {"scheduler": "cluster.scheduler", "partition": "cluster.partition", "account": "cluster.account",

@@ -19,7 +19,7 @@ import subprocess
 from pathlib import Path
 
 from ddpipe.cluster import ClusterError
-from ddpipe.config import Config
+from ddpipe.config.schema import Config
 
 FORWARD = (signal.SIGTERM, signal.SIGUSR1)  # the kubelet signals PID 1 only: the driver passes stops on
 PORT = 29400

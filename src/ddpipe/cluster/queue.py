@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddpipe.cluster import ClusterError
-from ddpipe.config import Config, ConfigError, load_config
+from ddpipe.config.loading import load_config
+from ddpipe.config.schema import Config, ConfigError
 
 PIN = "refs/ddpipe/cluster/"
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddpipe.cluster import ClusterError
-from ddpipe.config import Config
+from ddpipe.config.schema import Config
 
 FORWARD = (signal.SIGUSR1,)  # --signal=B:USR1 reaches the driver only; SLURM's stops (SIGTERM) reach every process
 COMMANDS = ("sbatch", "squeue", "scontrol", "scancel", "sinfo")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddpipe.config import DataConfig
+from ddpipe.config.schema import DataConfig
 from ddpipe.data.folders import list_imagefolder
 from ddpipe.data.verify import CIFAR_ARCHIVE, CIFAR_FOLDER, DataSourceError, required_files, verify_file
 from ddpipe.fsutil import atomic_dir, atomic_write_json

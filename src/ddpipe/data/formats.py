@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddpipe.config import DataConfig
+from ddpipe.config.schema import DataConfig
 from ddpipe.data.verify import DataSourceError
 
 CLASSES = {

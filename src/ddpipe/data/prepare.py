@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ddpipe.config import ConfigError, DataConfig
+from ddpipe.config.schema import ConfigError, DataConfig
 from ddpipe.data import images
 from ddpipe.data.folders import FileTable, list_imagefolder
 from ddpipe.data.formats import RawDataset, read_arrays

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ddpipe.config import ConfigError, DataConfig
+from ddpipe.config.schema import ConfigError, DataConfig
 
 
 def stratified_pick(labels: np.ndarray, total: int, seed: int) -> np.ndarray:

@@ -26,7 +26,8 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
-from ddpipe.config import TORCHVISION_WEIGHTS, ConfigError
+from ddpipe.config.checks import TORCHVISION_WEIGHTS
+from ddpipe.config.schema import ConfigError
 from ddpipe.models.registry import classifier_head, first_conv
 from ddpipe.models.saved import is_saved_model
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ddpipe.config import ConfigError, ModelConfig
+from ddpipe.config.schema import ConfigError, ModelConfig
 from ddpipe.models.nets import OWN
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpipe.config import RENAMED, ModelConfig
+from ddpipe.config.schema import RENAMED, ModelConfig
 from ddpipe.fsutil import atomic_save
 from ddpipe.models.registry import build_model
 
