@@ -43,7 +43,7 @@ from ddpipe.data.loading import TrainingData
 from ddpipe.data.store import load_meta, open_split
 from ddpipe.data.transforms import decode
 from ddpipe.devices import Compute, cpu_count
-from ddpipe.resolved import resolve
+from ddpipe.resolve.run import resolve
 
 STAGES = ("fetch", "prepare", "train", "evaluate")
 

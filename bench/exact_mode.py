@@ -5,7 +5,7 @@ model, ordinary vs exact, one process, all cores.
     python bench/exact_mode.py --quick                       # smoke run
 
 The network is built as training builds it (``network.build_network`` from params.yaml with
-``distributed.exact`` off or on, channels_last and autocast as ``resolved.resolve`` chooses them), fed random
+``distributed.exact`` off or on, channels_last and autocast as ``resolve.run.resolve`` chooses them), fed random
 images of Fashion-MNIST's shape (the cost does not depend on the pixels). Prints the machine and a
 Markdown table of the median milliseconds per step (min-max over ``--reps``, interleaved); appends the
 figures to ``bench/results/exact_mode.jsonl``.
@@ -23,7 +23,7 @@ from common import append_jsonl, config, markdown_table, print_machine, summary
 from ddpipe.data.store import Prepared
 from ddpipe.network import build_network
 from ddpipe.ranks import DistInfo
-from ddpipe.resolved import resolve
+from ddpipe.resolve.run import resolve
 
 FASHION_SHAPE = Prepared("random", [str(c) for c in range(10)], 1, "raw", [28, 28], None, [0.0], [1.0], {})
 

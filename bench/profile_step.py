@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from ddpipe.distributed import init_distributed
 from ddpipe.launch import this_device
 from ddpipe.metrics import EpochMeter, EpochProgress
-from ddpipe.resolved import resolve
+from ddpipe.resolve.run import resolve
 from ddpipe.training import Trainer
 
 LABELS = ("data: gather", "data: transform", "train_step")

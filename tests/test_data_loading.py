@@ -18,7 +18,7 @@ from ddpipe.data.loading import BatchKey, Splits, TrainingData, TrainOrder, eval
 from ddpipe.data.store import load_meta
 from ddpipe.data.transforms import BatchTransform, EvalCrop, TrainCrop, decode
 from ddpipe.devices import Compute
-from ddpipe.resolved import input_size, resolve
+from ddpipe.resolve.run import input_size, resolve
 from tests.conftest import prepare_generated_folder
 
 CPU = torch.device("cpu")

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddpipe import resolved
 from ddpipe.config.loading import load_config
 from ddpipe.config.schema import ConfigError
 from ddpipe.devices import Compute, cpu_count, cpu_supports_bf16
-from ddpipe.resolved import resolve_precision, use_channels_last
+from ddpipe.resolve import run as resolved
+from ddpipe.resolve.run import resolve_precision, use_channels_last
 
 CPU = torch.device("cpu")
 

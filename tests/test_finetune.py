@@ -13,7 +13,7 @@ from ddpipe.checkpoint import list_checkpoints
 from ddpipe.finetune import FineTuning
 from ddpipe.launch import this_device
 from ddpipe.models.nets import ResNetCompact
-from ddpipe.resolved import resolve
+from ddpipe.resolve.run import resolve
 from ddpipe.training import train
 from tests.conftest import ROOT, args_for, run, same_weights, torchrun, weights
 

@@ -27,7 +27,7 @@ from ddpipe.devices import Compute
 from ddpipe.exits import EXIT_PREEMPTED
 from ddpipe.models.nets import ResNetSmall
 from ddpipe.models.saved import load_model
-from ddpipe.resolved import resolve, use_channels_last
+from ddpipe.resolve.run import resolve, use_channels_last
 from tests.conftest import FIRST_EPOCH, ROOT, args_for, subprocess_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -45,7 +45,7 @@ def test_a_short_training_on_one_gpu(tiny_cfg, prepared: Path, precision: str) -
     """Two epochs in-process on the GPU learn the generated bars; fp16 runs through the GradScaler,
     whose state travels in the checkpoint."""
     from ddpipe.launch import this_device
-    from ddpipe.resolved import resolve
+    from ddpipe.resolve.run import resolve
     from ddpipe.training import train
 
     cfg = _cfg(tiny_cfg, prepared, f"train.precision={precision}")
@@ -60,7 +60,7 @@ def test_a_short_training_on_one_gpu(tiny_cfg, prepared: Path, precision: str) -
 
 def test_a_model_trained_on_the_gpu_loads_on_the_cpu_and_answers_the_same(tiny_cfg, prepared: Path) -> None:
     from ddpipe.launch import this_device
-    from ddpipe.resolved import resolve
+    from ddpipe.resolve.run import resolve
     from ddpipe.training import train
 
     cfg = _cfg(tiny_cfg, prepared, "num_epochs=1", "train.precision=fp32")
@@ -170,7 +170,7 @@ def test_torch_sync_batchnorm_on_cuda_trains_like_batchnorm() -> None:
 
 def test_a_compiled_training_on_the_gpu(tiny_cfg, prepared: Path) -> None:
     from ddpipe.launch import this_device
-    from ddpipe.resolved import resolve
+    from ddpipe.resolve.run import resolve
     from ddpipe.training import train
 
     metrics = train(resolve(_cfg(tiny_cfg, prepared, "train.compile=true", "train.precision=bf16"), this_device()))

@@ -9,15 +9,16 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
-from ddpipe.config.schema import ConfigError, DistributedConfig
+from ddpipe.config.schema import Config, ConfigError, DistributedConfig
 from ddpipe.exits import EXIT_PREEMPTED
 from ddpipe.hostshare import GpuLease
 from ddpipe.launch import torchrun_command
-from ddpipe.resolved import Job, resolve_job
+from ddpipe.resolve.run import Job, resolve_job
 from tests.conftest import ROOT, args_for, run, subprocess_env
 
 
@@ -67,7 +68,7 @@ def test_mistakes_that_need_the_node_or_the_data_fail_before_torchrun(prepared: 
 
 def test_nproc_is_refused_above_the_cores_of_a_cpu_node(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    monkeypatch.setattr("ddpipe.resolved.cpu_count", lambda: 4)
+    monkeypatch.setattr("ddpipe.resolve.run.cpu_count", lambda: 4)
     assert resolve_job(DistributedConfig(nproc_per_node="4")) == Job(4, 1, 1, gpus_requested=4)
     assert resolve_job(DistributedConfig(nproc_per_node="auto", nnodes="2:4")) == Job(1, 2, 4)
     with pytest.raises(ConfigError, match="it has 4 CPU cores"):
@@ -84,7 +85,13 @@ def test_on_a_gpu_host_the_launcher_runs_torchrun_on_the_gpus_it_leased(
     monkeypatch.setattr("torch.cuda.device_count", lambda: 8)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     checked, ran = [], []
-    monkeypatch.setattr(launch, "preflight", lambda cfg, world_size: checked.append(world_size))
+
+    def preflight(cfg: Config, world_size: int | None = None) -> SimpleNamespace:  # the job this node resolves
+        job = resolve_job(cfg.distributed)
+        checked.append(world_size or job.max_world_size)
+        return SimpleNamespace(job=job)
+
+    monkeypatch.setattr(launch, "preflight", preflight)
     monkeypatch.setattr(launch, "supervise", lambda cmd, env=None: ran.append((cmd, env)) or 0)
     registry = tmp_path / "gpus"
     monkeypatch.setattr(launch, "GpuLease", lambda gpus, count: GpuLease(gpus, count, registry, lambda: 2))

@@ -192,7 +192,7 @@ def test_the_launcher_says_when_dvc_yaml_misses_the_networks_file(repo_dir: Path
     from ddpipe.config.loading import load_config
     from ddpipe.launch import note_network
     from ddpipe.network import build_network
-    from ddpipe.resolved import resolve
+    from ddpipe.resolve.run import resolve
 
     def check(*overrides: str) -> None:  # what the launcher's preflight does with the network
         run = resolve(load_config(list(overrides), params_file=None), torch.device("cpu"), FASHION_SHAPE)

@@ -111,6 +111,39 @@ def test_classes_stay_small_and_the_trainer_smaller() -> None:
     assert sizes["training.py:Trainer"] <= 170
 
 
+def test_files_stay_small() -> None:
+    lengths = {path.relative_to(SRC).as_posix(): len(path.read_text().splitlines()) for path in SRC.rglob("*.py")}
+    assert {name: n for name, n in lengths.items() if n > 450} == {}
+
+
+def test_auto_is_resolved_in_the_resolver_only() -> None:
+    """No module outside ddpipe/resolve/ compares a value with the word ``auto``: the run is resolved once, typed,
+    and everything else reads what it became."""
+    found = []
+    for path in SRC.rglob("*.py"):
+        if path.parent.name == "resolve":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(c, ast.Constant) and c.value == "auto" for c in [node.left, *node.comparators]):
+                found.append(f"{path.relative_to(SRC)}:{node.lineno}")
+    assert found == []
+
+
+def test_train_takes_the_resolved_run_alone() -> None:
+    (train,) = [n for n in ast.parse((SRC / "training.py").read_text()).body
+                if isinstance(n, ast.FunctionDef) and n.name == "train"]
+    assert [a.arg for a in train.args.args] == ["run"] and not train.args.kwonlyargs
+
+
+def test_the_evaluation_and_the_served_model_import_nothing_of_the_process_group() -> None:
+    """The evaluate stage (and the pyfunc model, which ships inference.py) runs in one process: editing how ranks sum
+    or stop must not re-run it, and the served model carries nothing of the run store either."""
+    collectives = {"distributed", "hostcomm", "preemption"}
+    assert not _closure(ROOT / "stages" / "evaluate.py") & collectives
+    assert not _closure(SRC / "inference.py") & (collectives | {"runstore", "tracking", "outbox"})
+
+
 def test_the_tracker_records_a_run_and_writes_no_output_of_the_train_stage() -> None:
     text = (SRC / "tracking.py").read_text()
     assert len(text.splitlines()) < 300

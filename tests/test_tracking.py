@@ -306,7 +306,7 @@ def test_end_reasons_name_the_cause() -> None:
 @pytest.mark.slow
 def test_a_training_that_raises_ends_failed(tmp_path: Path, prepared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from ddpipe.launch import this_device
-    from ddpipe.resolved import resolve
+    from ddpipe.resolve.run import resolve
     from ddpipe.training import Trainer, train
 
     real = Trainer.train_epoch

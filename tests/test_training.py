@@ -16,7 +16,7 @@ import torch
 
 from ddpipe.launch import this_device
 from ddpipe.models.saved import load_model
-from ddpipe.resolved import resolve
+from ddpipe.resolve.run import resolve
 from ddpipe.training import train
 from tests.conftest import ROOT, args_for, max_rel_diff, run, spawn, subprocess_env, torchrun, weights
 

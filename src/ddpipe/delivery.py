@@ -156,16 +156,17 @@ def _model(client: Any, journal: Any, run_id: str, rec: dict) -> None:
     from ddpipe.inference import log_model
     from ddpipe.runstore import git_tags
 
-    with tempfile.TemporaryDirectory() as tmp:
-        params = Path(tmp) / "params.yaml"
-        params.write_text(rec["config"])
-        cfg = load_config(params_file=params)
-    # the network's name as the run resolved it (records written before it was kept hold it in their config)
-    model_name = rec.get("model_name") or cfg.model.name
+    model_name, registered = rec.get("model_name"), rec.get("registered_model_name")
+    if "config" in rec:  # a record written before the names were kept holds the run's whole config
+        with tempfile.TemporaryDirectory() as tmp:
+            params = Path(tmp) / "params.yaml"
+            params.write_text(rec["config"])
+            cfg = load_config(params_file=params)
+        model_name, registered = cfg.model.name, cfg.mlflow.registered_model_name
     active = mlflow.start_run(run_id=run_id, log_system_metrics=False)
     try:
-        log_model(mlflow, run_id, Path(rec["model"]), np.load(rec["example"]), model_name,
-                  cfg.mlflow.registered_model_name, git_tags()["git_commit"])
+        log_model(mlflow, run_id, Path(rec["model"]), np.load(rec["example"]), model_name, registered,
+                  git_tags()["git_commit"])
     finally:
         fluent._active_run_stack.get().remove(active)  # not end_run: the run's own records set its status
 

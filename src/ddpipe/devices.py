@@ -1,7 +1,7 @@
 """What the device has and how a training computes on it: CPU cores and instruction sets, autocast, loss
 scaling, memory format, pinned copies.
 
-Precision and memory format are chosen once per training by ``ddpipe.resolved`` (from ``train.precision`` /
+Precision and memory format are chosen once per training by ``ddpipe.resolve.run`` (from ``train.precision`` /
 ``train.channels_last`` and these probes) and recorded with the run (``resolved_precision``, ``channels_last``),
 since they change the float rounding.
 """

@@ -56,7 +56,7 @@ def _processes_on_this_host(local_world_size: int) -> int:
 
 def init_distributed(cfg: DistributedConfig, backend: str) -> DistInfo:
     """Bind this process to its device, set its CPU threads, and join the process group on ``backend`` (nccl or
-    gloo, resolved: ``ddpipe.resolved``) if launched by torchrun. Each rank takes its device from LOCAL_RANK."""
+    gloo, resolved: ``ddpipe.resolve.run``) if launched by torchrun. Each rank takes its device from LOCAL_RANK."""
     under_launcher = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)

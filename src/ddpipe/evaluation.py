@@ -24,7 +24,7 @@ from ddpipe.data.store import PreparedDataError, load_meta
 from ddpipe.devices import cpu_count
 from ddpipe.fsutil import atomic_open, atomic_write_json, atomic_write_text
 from ddpipe.inference import ImageClassifier
-from ddpipe.resolved import eval_batch_size, loader_workers
+from ddpipe.resolve.run import eval_batch_size, loader_workers
 from ddpipe.tracking import RunLogger
 
 

@@ -17,7 +17,7 @@ from ddpipe.finetune import FineTuning
 from ddpipe.models.pretrained import Pretrained, apply_pretrained, load_pretrained
 from ddpipe.models.registry import build_model
 from ddpipe.ranks import DistInfo
-from ddpipe.resolved import Resolved
+from ddpipe.resolve.run import Resolved
 
 
 @dataclass

@@ -14,7 +14,7 @@ from ddpipe.fsutil import atomic_write_json, atomic_write_text
 from ddpipe.metrics import EpochStats
 from ddpipe.models.saved import save_model
 from ddpipe.ranks import DistInfo
-from ddpipe.resolved import Resolved
+from ddpipe.resolve.run import Resolved
 from ddpipe.runstore import redact
 from ddpipe.tracking import NullTracker
 
@@ -45,7 +45,7 @@ def save_outputs(run: Resolved, outputs: TrainingOutputs, tracker: NullTracker, 
     tracker.log_metrics({"best_epoch": outputs.metrics["best_epoch"], "exported_epoch": outputs.exported_epoch})
     if cfg.mlflow.log_model:
         example = outputs.example_images.numpy()  # as a client has them: uint8, N x H x W for grey
-        tracker.log_model(Path(paths.model), example[:, 0] if example.shape[1] == 1 else example, cfg, run.model_name)
+        tracker.log_model(Path(paths.model), example[:, 0] if example.shape[1] == 1 else example, run.model_name)
     tracker.print_link()
 
 

@@ -5,15 +5,14 @@ Tracking never kills, hangs or slows training: every record goes first to the ru
 thread delivers it in order (``ddpipe.outbox``), so a store that is down or slow delays records and loses none;
 only the run's creation is asked of the store at once, bounded by short HTTP timeouts (a store that does not
 answer then gets a pending key and the run is created later). A store that refuses for good (an invalid
-experiment) turns tracking off with one warning. It records; it writes none of the train
-stage's outputs (``ddpipe.outputs`` does), and the other ranks learn its run id from the trainer, through
-``ddpipe.distributed``.
+experiment) turns tracking off with one warning. It records; it writes none of the train stage's outputs
+(``ddpipe.outputs`` does), and the other ranks learn its run id from the trainer, through ``ddpipe.distributed``.
 
-A run's status says how it ended: FINISHED; FAILED (an exception) or KILLED (SIGINT, or preempted by
-SIGTERM/SIGUSR1), with the reason in the tag ``ddpipe.end_reason``. A process killed outright
-(SIGKILL, a lost node) leaves its run RUNNING and a marker file in ``paths.checkpoints``: the next
-attempt reopens that run when it resumes the run's checkpoint, and otherwise closes it as FAILED,
-saying why. Where runs are stored, and how ``mlflow ui`` shows them: ``ddpipe.runstore``.
+A run's status says how it ended: FINISHED; FAILED (an exception) or KILLED (SIGINT, or preempted by SIGTERM/
+SIGUSR1), with the reason in the tag ``ddpipe.end_reason``. A process killed outright (SIGKILL, a lost node) leaves
+its run RUNNING and a marker file in ``paths.checkpoints``: the next attempt reopens that run when it resumes the
+run's checkpoint, and otherwise closes it as FAILED, saying why. Where runs are stored, and how ``mlflow ui`` shows
+them: ``ddpipe.runstore``.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from ddpipe import __version__
-from ddpipe.config.loading import to_yaml
 from ddpipe.config.schema import Config, MlflowConfig
 from ddpipe.data.store import load_meta
 from ddpipe.delivery import is_transient
@@ -65,7 +63,6 @@ def end_reason(exc: BaseException) -> tuple[str, str]:
 
 
 def run_name(model_name: str) -> str:
-    """The MLflow run's name: the DVC experiment's, else the network's and the time."""
     return os.environ.get("DVC_EXP_NAME") or f"{model_name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
@@ -84,7 +81,7 @@ class NullTracker:
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
-    def log_model(self, model_path: Path, input_example: Any, cfg: Config, model_name: str) -> None: ...
+    def log_model(self, model_path: Path, input_example: Any, model_name: str) -> None: ...
     def print_link(self) -> None: ...
     def finish(self) -> None: ...
     def end_after(self, exc: BaseException) -> None: ...
@@ -178,8 +175,7 @@ class MlflowTracker(NullTracker):
         device_name = torch.cuda.get_device_name(info.device) if info.device.type == "cuda" \
             else (platform.processor() or platform.machine())
         return {
-            **git_tags(),
-            "dvc_exp_name": os.environ.get("DVC_EXP_NAME", ""),
+            **git_tags(), "dvc_exp_name": os.environ.get("DVC_EXP_NAME", ""),
             "dvc_exp_baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV", ""),
             **{tag: os.environ[var] for tag, var in CLUSTER_TAGS.items() if os.environ.get(var)},
             "world_size": str(info.world_size), "num_nodes": str(info.num_nodes),
@@ -197,10 +193,9 @@ class MlflowTracker(NullTracker):
             warnings.warn(f"MLflow: the dataset input of {cfg.paths.prepared} was not logged "
                           f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=2)
             return
-        sizes = meta.sizes
         self._append("dataset", name=meta.dataset, digest=digest, source=cfg.paths.prepared, context="training",
-                     tags={"dvc_path": cfg.paths.prepared, "train_samples": str(sizes["train"]),
-                           "val_samples": str(sizes["val"]), "test_samples": str(sizes["test"])})
+                     tags={"dvc_path": cfg.paths.prepared, **{f"{split}_samples": str(meta.sizes[split])
+                                                               for split in ("train", "val", "test")}})
 
     # -- markers of live attempts --------------------------------------------------------------
 
@@ -243,7 +238,7 @@ class MlflowTracker(NullTracker):
         if self.enabled and self.journal is not None:
             self._append("artifact", path=self.journal.keep_file(path), artifact_path=artifact_path)
 
-    def log_model(self, model_path: Path, input_example: Any, cfg: Config, model_name: str) -> None:
+    def log_model(self, model_path: Path, input_example: Any, model_name: str) -> None:
         """``model_path`` (the network ``model_name``) into the run as the pyfunc model a client calls
         (``ddpipe.inference.log_model``), from a copy kept in the outbox until the store has it."""
         if not (self.enabled and self.journal is not None):
@@ -253,7 +248,7 @@ class MlflowTracker(NullTracker):
         example = Path(self.journal.keep_file(model_path)).with_name("input_example.npy")
         np.save(example, np.asarray(input_example))
         self._append("model", model=str(example.with_name(Path(model_path).name)), example=str(example),
-                     config=to_yaml(cfg), model_name=model_name)
+                     model_name=model_name, registered_model_name=self.cfg.registered_model_name)
 
     def print_link(self) -> None:
         """Where to look: the run in ``mlflow ui``'s runs view (started in the repo root)."""

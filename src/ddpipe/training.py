@@ -35,7 +35,7 @@ from ddpipe.outputs import TrainingOutputs, save_outputs
 from ddpipe.preemption import StopRequests
 from ddpipe.progress import make_progress
 from ddpipe.ranks import DistInfo
-from ddpipe.resolved import Resolved
+from ddpipe.resolve.run import Resolved
 from ddpipe.selection import ModelSelection
 from ddpipe.sysmetrics import NoSystemMetrics, monitor_node
 from ddpipe.tracking import make_tracker
@@ -219,12 +219,12 @@ def derived_params(t: Trainer) -> dict[str, Any]:
         "world_size": t.info.world_size, "effective_lr": t.optim.effective_lr,
         "global_batch_size": t.run.global_batch_size(t.info.world_size),
         "steps_per_epoch": t.steps_per_epoch,
-        "device_kind": t.run.device_kind,  # the row of resolved.AUTO_CHOICES that `auto` took
+        "device_kind": t.run.device_kind,  # the row of resolve.run.AUTO_CHOICES that `auto` took
         "host_sums": t.info.sums if t.info.distributed else "none",
         "resolved_precision": t.compute.precision, "channels_last": t.compute.channels_last,
         "num_parameters": sum(p.numel() for p in t.module.parameters()),
         "threads_per_process_at_start": torch.get_num_threads(),
-        "loader_workers": t.num_workers,  # data.num_workers resolved (resolved.loader_workers)
+        "loader_workers": t.num_workers,  # data.num_workers resolved (resolve.run.loader_workers)
         "input_size": "x".join(map(str, t.data.size)),  # what the network sees (data.image_size resolved)
         **({"weights_source": t.pretrained.source, "weights_sha256": t.pretrained.sha256}
            if t.pretrained else {}),

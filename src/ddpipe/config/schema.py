@@ -92,7 +92,7 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: str = param(
-        "auto", "Network to train: auto (by device and input size, ddpipe.resolved.resolve; logged), one of "
+        "auto", "Network to train: auto (by device and input size, ddpipe.resolve.run.resolve; logged), one of "
         "ddpipe's (" + ", ".join(OWN_MODELS) + "), any torchvision classification model by its name (resnet50, "
         "efficientnet_b0, convnext_tiny, vit_b_16, ...: its own ImageNet stem), a timm model when timm is installed, "
         "or module.path:ClassName (a class importable from the repository root, built with in_channels, "
@@ -140,7 +140,7 @@ class TrainConfig:
         "0", "Fine-tuning: train only the classifier head for this many epochs (the body's weights fixed, its "
         "BatchNorm in eval mode), then everything; all: the body stays frozen for good.", int_or=("all",), ge=0,
     )
-    # as the user set it; ddpipe.resolved holds the int it becomes (OmegaConf has no int-or-word type)
+    # as the user set it; ddpipe.resolve.run holds the int it becomes (OmegaConf has no int-or-word type)
     batch_size_per_rank: str = param(
         "auto", "Training micro-batch per process: an int, or auto (the device's default, with model.name's).",
         int_or=("auto",),

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from ddpipe.data.store import EncodedSplit, Prepared, RawSplit, open_split
 from ddpipe.data.transforms import BatchTransform, EvalCrop, TrainCrop, decode
 from ddpipe.devices import Compute
-from ddpipe.resolved import Resolved
+from ddpipe.resolve.run import Resolved
 
 
 @dataclass(frozen=True)

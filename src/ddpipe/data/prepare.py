@@ -33,7 +33,7 @@ from ddpipe.data.splits import make_splits, relabel, select_classes
 from ddpipe.data.store import Prepared, PreparedDataError, RawWriter, ShardWriter, write_labels
 from ddpipe.data.verify import DataSourceError
 from ddpipe.fsutil import atomic_dir
-from ddpipe.resolved import RAW_MAX_SIDE, data_encoding
+from ddpipe.resolve.encoding import RAW_MAX_SIDE, data_encoding
 
 PROBE_CHUNK, ENCODE_CHUNK, ARRAY_CHUNK = 256, 32, 4096  # files (arrays: images) per piece of work
 IN_FLIGHT_PER_WORKER = 3  # chunks handed out ahead per worker: enough to keep it busy, few to hold

@@ -1,12 +1,10 @@
-"""Every ``auto`` of params.yaml made concrete, in one place: a training's whole run, typed, for the launcher and
-every worker alike, and the few values other stages take from it (the prepare stage's encoding, the evaluate
-stage's batch and loader workers).
+"""A training's whole run, typed, with every ``auto`` made concrete for its device and prepared data: what the
+launcher checks and every worker trains with, and the evaluate stage's batch and loader workers.
 
 ``Config`` holds what the user wrote, ``auto`` words included (``train.batch_size_per_rank: auto``); a
-:class:`Resolved` holds what the training runs with, typed: the network's name, the batches, the input size,
-precision and memory format, the backend, the fine-tuning's frozen epochs. :func:`resolve` makes it for a device
-and the prepared data; nothing else in ddpipe compares a value with ``auto``. The device tables it reads are
-measured (BENCHMARKS.md, "Which network `auto` picks").
+:class:`Resolved` holds what the training runs with: the network's name, the batches, the input size, precision
+and memory format, the backend, the fine-tuning's frozen epochs. :func:`resolve` makes it; the tables it reads
+are measured (BENCHMARKS.md, "Which network `auto` picks").
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from typing import Any
 import torch
 
 from ddpipe.config.keys import flatten, trajectory
-from ddpipe.config.schema import RENAMED, Config, ConfigError, DataConfig, DistributedConfig, ModelConfig, TrainConfig
+from ddpipe.config.schema import RENAMED, Config, ConfigError, DistributedConfig, ModelConfig, TrainConfig
 from ddpipe.data.store import Prepared, load_meta
 from ddpipe.devices import Compute, cpu_count, cpu_has_amx, cpu_supports_bf16
 
@@ -37,8 +35,6 @@ AUTO_CHOICES = {  # device_kind -> (model.name, train.batch_size_per_rank)
 # on a CPU, ResNet-18 (a fifth of ResNet-50's multiply-adds) at batch 64.
 SMALL_INPUT = 64
 AUTO_LARGE_INPUT = {"cpu": ("resnet18", 64), "cpu-amx": ("resnet18", 64), "cuda": ("resnet50", 128)}
-# data.encoding auto: raw pixels for one size of at most this many px a side, else encoded
-RAW_MAX_SIDE = 64
 # data.image_size null for encoded images: torchvision's classification default
 DEFAULT_ENCODED_SIZE = 224
 
@@ -59,6 +55,7 @@ class Resolved:
     precision: str  # fp32 | bf16 | fp16
     channels_last: bool
     backend: str  # nccl | gloo
+    job: Job  # this node's processes and the job's nodes
     freeze_body_epochs: int | None  # None: the body stays frozen for good
 
     @property
@@ -108,7 +105,9 @@ class Resolved:
 def resolve(cfg: Config, device: torch.device, meta: Prepared | None = None) -> Resolved:
     """``cfg`` for ``device`` and the data ``meta`` describes (by default ``paths.prepared``'s meta.json:
     PreparedDataError if it cannot be read); ConfigError for a value this device cannot run (fp16 or nccl without
-    CUDA, exact mode on CUDA) or a ``data.image_size`` the prepared data cannot give."""
+    CUDA, exact mode on CUDA, more processes than this node's GPUs or cores) or a ``data.image_size`` the prepared
+    data cannot give."""
+    job = resolve_job(cfg.distributed)
     meta = meta or load_meta(cfg.paths.prepared)
     size = input_size(meta, cfg.data.image_size)
     name, batch = auto_choice(device, size[0])
@@ -125,7 +124,7 @@ def resolve(cfg: Config, device: torch.device, meta: Prepared | None = None) -> 
         batch_size_per_rank=batch if tc.batch_size_per_rank == "auto" else int(tc.batch_size_per_rank),
         eval_batch_size_per_rank=eval_batch_size(tc, device, size[0]), precision=precision,
         channels_last=use_channels_last(tc.channels_last, device, precision),
-        backend=d.backend if d.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo"),
+        backend=d.backend if d.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo"), job=job,
         freeze_body_epochs=None if tc.freeze_body_epochs == "all" else int(tc.freeze_body_epochs))
 
 
@@ -193,14 +192,6 @@ def use_channels_last(setting: str, device: torch.device, precision: str) -> boo
     if setting != "auto":
         return setting == "on"
     return device.type == "cpu" or precision in ("bf16", "fp16")
-
-
-def data_encoding(cfg: DataConfig, one_size: bool, largest_side: int) -> tuple[str, bool]:
-    """``data.encoding`` for images of one size or several (the largest side ``largest_side`` px): raw pixels for
-    one size of at most :data:`RAW_MAX_SIDE` px, else encoded; whether ``auto`` chose it."""
-    if cfg.encoding != "auto":
-        return cfg.encoding, False
-    return ("raw" if one_size and largest_side <= RAW_MAX_SIDE else "encoded"), True
 
 
 @dataclass(frozen=True)

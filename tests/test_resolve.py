@@ -1,5 +1,5 @@
 """The configuration a training runs with: every `auto` made concrete once, typed, for the launcher and the
-workers alike (ddpipe.resolved)."""
+workers alike (ddpipe.resolve.run)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpipe import resolved
 from ddpipe.checkpoint import run_fingerprint
 from ddpipe.config.loading import load_config
 from ddpipe.config.schema import ConfigError
-from ddpipe.resolved import resolve
+from ddpipe.resolve import run as resolved
+from ddpipe.resolve.run import resolve
 
 CPU = torch.device("cpu")
 
@@ -58,8 +58,22 @@ def test_the_fingerprint_tells_torchvisions_resnet18_from_the_small_stem_one(pre
     new = resolve(load_config([*base, "model.name=resnet18"]), CPU)
     old = resolve(load_config([*base, "model.name=resnet18_cifar"]), CPU)
     assert new.trajectory()["model.torchvision_stem"] is True and "model.torchvision_stem" not in old.trajectory()
+
     def fingerprint(run: resolved.Resolved, world_size: int) -> str:  # as the trainer makes it
         return run_fingerprint(run.trajectory(), run.global_batch_size(world_size), 0.003, asdict(run.meta))
 
     assert fingerprint(new, 1) != fingerprint(old, 1)
     assert fingerprint(new, 2) != fingerprint(new, 1)  # the global batch differs
+
+
+def test_every_auto_becomes_a_typed_value_and_the_config_keeps_what_was_written(prepared: Path) -> None:
+    cfg = load_config([f"paths.prepared={prepared}", "train.freeze_body_epochs=all", "train.precision=fp32"])
+    run = resolve(cfg, CPU)
+    assert (run.precision, run.channels_last, run.backend) == ("fp32", True, "gloo")  # auto: CPU
+    assert run.freeze_body_epochs is None and run.job.nproc_per_node == 1 and run.job.gpus_requested is None
+    assert run.model.name == run.model_name != "auto" and cfg.model.name == "auto"
+    assert resolve(load_config([f"paths.prepared={prepared}", "train.freeze_body_epochs=2",
+                                "distributed.backend=gloo"]), torch.device("cuda")).freeze_body_epochs == 2
+    assert run.trajectory()["model.name"] == run.model_name  # what a checkpoint's fingerprint covers
+    with pytest.raises(ConfigError, match="distributed.backend = 'nccl' needs CUDA GPUs"):
+        resolve(load_config([f"paths.prepared={prepared}", "distributed.backend=nccl"]), CPU)
