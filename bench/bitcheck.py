@@ -8,7 +8,8 @@ should not change behaviour can be compared bit for bit.
 Each run goes through the stages' own commands (``python -m ddpipe.launch``, ``stages/evaluate.py``) in a
 temporary directory. Recorded: the sha256 of every tensor of the exported model and its other fields, the
 MLflow params and metrics of the run (all but clocks, hosts and code versions), the history and train metrics
-(all but seconds and images/s), the test metrics and the per-class report, the golden checkpoint fingerprint.
+(all but seconds and images/s), the test metrics and the per-class report, the names of the checkpoints (each
+holds the run's fingerprint), and the fingerprint of params.yaml's defaults.
 """
 
 from __future__ import annotations
@@ -95,8 +96,12 @@ def _rows(path: Path) -> list[dict[str, Any]]:
 
 def _golden() -> str:
     from ddpipe.checkpoint import run_fingerprint
-    from ddpipe.config.keys import trajectory
-    from ddpipe.config.loading import load_config
+
+    try:
+        from ddpipe.config.keys import trajectory
+        from ddpipe.config.loading import load_config
+    except ImportError:  # a checkout from before config/ was a package
+        from ddpipe.config import load_config, trajectory  # type: ignore[attr-defined,no-redef]
 
     return run_fingerprint(trajectory(load_config([], params_file=REPO / "params.yaml")), 256, 0.003, {"sizes": [1]})
 
@@ -120,7 +125,9 @@ def record(out_json: Path) -> None:
             results[run_name] = {
                 "model": _model(out / "model.pt"), "mlflow": _mlflow(tmp, out), "history": _rows(out / "history.csv"),
                 "train": _stable(json.loads((out / "train.json").read_text())["train"]),
-                "test": json.loads((out / "test.json").read_text()), "per_class": _rows(out / "per_class.csv")}
+                "test": json.loads((out / "test.json").read_text()), "per_class": _rows(out / "per_class.csv"),
+                # each checkpoint is named after the run's fingerprint and its position
+                "checkpoints": sorted(p.name for p in (out / "ckpt").glob("ckpt-*.pt"))}
             print(f"{run_name}: test accuracy {results[run_name]['test']['test']['accuracy']:.4f}", flush=True)
     out_json.write_text(json.dumps(results, indent=1, sort_keys=True))
 

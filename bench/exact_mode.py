@@ -32,7 +32,7 @@ def step_ms(exact: bool, precision: str, batch: int, steps: int) -> float:
     info = DistInfo()
     overrides = [f"distributed.exact={str(exact).lower()}", f"train.precision={precision}"]
     run = resolve(config(overrides), info.device, FASHION_SHAPE)  # auto as for these images on this device
-    cfg, compute = run.cfg, run.compute(info.device)
+    cfg, compute = run.cfg, run.compute_on(info.device)
     torch.manual_seed(0)
     model = compute.place(build_network(run, info).module)
     x = torch.randn(batch, 1, 28, 28)

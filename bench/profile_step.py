@@ -102,15 +102,15 @@ def report(args: argparse.Namespace, trainer: Trainer, prof: profile, step_ms: f
             "self_cpu_pct": 100 * e.self_cpu_time_total / total,
             "cpu_total_ms": e.cpu_time_total / 1e3, "calls": e.count} for e in ranked[:args.top]]
     phases = {label: events[label].cpu_time_total / 1e3 / args.steps for label in LABELS if label in events}
-    cfg, compute = trainer.cfg, trainer.compute
-    print(f"{cfg.model.name} width {cfg.model.width}, batch {batch}, precision {compute.precision}, channels_last "
+    cfg, compute, model = trainer.cfg, trainer.compute, trainer.run.model
+    print(f"{model.name} width {model.width}, batch {batch}, precision {compute.precision}, channels_last "
           f"{compute.channels_last}, {torch.get_num_threads()} threads: {step_ms:.1f} ms/step, "
           f"{1e3 * batch / step_ms:.0f} images/s (under the profiler); per step: "
           + ", ".join(f"{label} {ms:.1f} ms" for label, ms in phases.items()) + "\n")
     print(markdown_table(["op", "self CPU ms", "self CPU %", "CPU total ms", "calls"],
                          [list(o.values()) for o in ops]))
     append_jsonl("profile_step", [{
-        "bench": "profile_step", "model": asdict(cfg.model), "batch_size": batch, "precision": compute.precision,
+        "bench": "profile_step", "model": asdict(model), "batch_size": batch, "precision": compute.precision,
         "channels_last": compute.channels_last, "threads": torch.get_num_threads(), "steps": args.steps,
         "quick": args.quick, "ms_per_step": step_ms, "phases_ms": phases, "prepared": cfg.paths.prepared,
         "top_ops": ops}])

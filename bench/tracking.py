@@ -51,7 +51,7 @@ def logging_cost(uri: str, tmp: Path, calls: int) -> tuple[float, float]:
     sync = per_call_ms(lambda s: client.log_batch(run_id, metrics=[
         Metric(k, v, int(time.time() * 1000), s) for k, v in EPOCH.items()]), calls)
     tracker = MlflowTracker(MlflowConfig(experiment_name="bench", outbox=str(tmp / "outbox")), DistInfo())
-    tracker.start(Config(), {"seed": 0}, None, tmp)
+    tracker.start(Config(), {"seed": 0}, None, tmp, "seed_cnn")
     queued = per_call_ms(lambda s: tracker.log_metrics(EPOCH, step=s), calls)
     tracker.finish()
     return sync, queued

@@ -9,7 +9,7 @@ import torch
 from ddpipe.config.loading import load_config
 from ddpipe.config.schema import ConfigError
 from ddpipe.devices import Compute, cpu_count, cpu_supports_bf16
-from ddpipe.resolve import run as resolved
+from ddpipe.resolve import run as resolve_run
 from ddpipe.resolve.run import resolve_precision, use_channels_last
 
 CPU = torch.device("cpu")
@@ -51,11 +51,11 @@ def test_compute_on_cpu_autocasts_only_below_fp32() -> None:
 def test_auto_picks_an_imagenet_network_for_large_inputs(device: str, expected: tuple[str, int]) -> None:
     """Above 64 px a side (encoded images: 224 by default) auto means torchvision's networks, whose stem
     downsamples at once; at 64 px and below, the small-image ones."""
-    assert resolved.auto_choice(torch.device(device), 64)[0] in ("resnet_compact", "resnet_small")
-    assert resolved.auto_choice(torch.device(device), 224) == expected
+    assert resolve_run.auto_choice(torch.device(device), 64)[0] in ("resnet_compact", "resnet_small")
+    assert resolve_run.auto_choice(torch.device(device), 224) == expected
 
 
 def test_an_explicit_eval_batch_is_kept() -> None:
     fixed = load_config(["train.eval_batch_size_per_rank=1000"])
-    assert resolved.eval_batch_size(fixed.train, CPU, 28) == 1000
-    assert resolved.eval_batch_size(load_config(["train.batch_size_per_rank=48"]).train, CPU, 28) == 96
+    assert resolve_run.eval_batch_size(fixed.train, CPU, 28) == 1000
+    assert resolve_run.eval_batch_size(load_config(["train.batch_size_per_rank=48"]).train, CPU, 28) == 96

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddpipe import distributed as dd
 from ddpipe import hostcomm
 from ddpipe.devices import cpu_count
+from ddpipe.ranks import DistInfo
 from tests.conftest import spawn
 
 pytestmark = pytest.mark.skipif(not hostcomm.usable(2, 2, torch.device("cpu"), "gloo"),
@@ -51,7 +52,7 @@ def _ddp_rank(rank: int, world: int) -> None:
     net = nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 3))
     x = torch.randn(8, 10, generator=torch.Generator().manual_seed(rank))
     grads = []
-    info = dd.DistInfo(distributed=True, rank=rank, world_size=world)
+    info = DistInfo(distributed=True, rank=rank, world_size=world)
     for shared in (False, True):
         if shared:
             assert dd.use_host_sums(rank, world, timeout_s=60)

@@ -11,7 +11,7 @@ from ddpipe.data.loading import BatchKey, Splits, eval_batches
 from ddpipe.data.store import load_meta
 from ddpipe.data.transforms import BatchTransform
 from ddpipe.devices import Compute
-from ddpipe.metrics import evaluate_split
+from ddpipe.metrics import EpochProgress, evaluate_split
 from ddpipe.ranks import DistInfo
 from tests.conftest import spawn
 
@@ -39,3 +39,10 @@ def test_validation_counts_each_sample_once_at_any_world_size(prepared: Path, wo
     one, many = (torch.load(tmp_path / f, weights_only=True) for f in ("one.pt", "many.pt"))
     assert one["acc"] == pytest.approx(many["acc"], abs=1e-12)
     assert one["loss"] == pytest.approx(many["loss"], rel=1e-6)
+
+
+def test_a_checkpoints_epoch_progress_loads_by_name_and_from_older_checkpoints() -> None:
+    done = EpochProgress(loss_sum=12.5, correct=40.0, count=64.0, seconds=3.25)
+    assert EpochProgress.from_state(done.as_state()) == done
+    older = torch.tensor([12.5, 40.0, 64.0, 3.25], dtype=torch.float64)  # before the fields were named
+    assert EpochProgress.from_state(older) == done and EpochProgress.from_state(None) == EpochProgress()

@@ -119,14 +119,17 @@ def test_files_stay_small() -> None:
 def test_auto_is_resolved_in_the_resolver_only() -> None:
     """No module outside ddpipe/resolve/ compares a value with the word ``auto``: the run is resolved once, typed,
     and everything else reads what it became."""
+    def says_auto(node: ast.AST) -> bool:  # "auto", or a tuple, list or set holding it (x in ("auto", ...))
+        items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return any(isinstance(c, ast.Constant) and c.value == "auto" for c in items)
+
     found = []
-    for path in SRC.rglob("*.py"):
-        if path.parent.name == "resolve":
+    for path in [*SRC.rglob("*.py"), *(ROOT / "stages").glob("*.py"), *(ROOT / "bench").glob("*.py")]:
+        if path.parent == SRC / "resolve":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare) and any(
-                    isinstance(c, ast.Constant) and c.value == "auto" for c in [node.left, *node.comparators]):
-                found.append(f"{path.relative_to(SRC)}:{node.lineno}")
+            if isinstance(node, ast.Compare) and any(says_auto(c) for c in [node.left, *node.comparators]):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert found == []
 
 

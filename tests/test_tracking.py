@@ -47,7 +47,7 @@ def test_only_global_rank_zero_tracks() -> None:
     assert type(other) is NullTracker and other.log_metrics({"x": 1.0}, step=0) is None
     # a true do-nothing twin: no process group exists here, and it needs none (the run id reaches the other
     # ranks through ddpipe.distributed, from the trainer)
-    assert other.start(Config(), {}, None, Path("nowhere")) is None and other.run_id is None
+    assert other.start(Config(), {}, None, Path("nowhere"), "seed_cnn") is None and other.run_id is None
 
 
 def test_tracking_uri_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -182,7 +182,7 @@ def test_records_wait_in_the_outbox_when_the_store_does_not_answer(monkeypatch: 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg = MlflowConfig(tracking_uri="http://127.0.0.1:9", outbox=str(tmp_path / "outbox"))  # nothing listens there
     tracker = MlflowTracker(cfg, DistInfo())
-    key = tracker.start(Config(), {"seed": 1}, None, tmp_path)
+    key = tracker.start(Config(), {"seed": 1}, None, tmp_path, "seed_cnn")
     assert key.startswith("pending-") and tracker.enabled
     tracker.log_metrics({"x": 1.0}, step=3)
     ops = [json.loads(line)["op"] for line in (tmp_path / "outbox" / key / "main.jsonl").read_text().splitlines()]
@@ -197,7 +197,7 @@ def test_a_store_that_cannot_be_opened_never_takes_training_down(monkeypatch: py
     (tmp_path / "broken.db").write_bytes(b"not a database" * 100)
     cfg = MlflowConfig(tracking_uri=f"sqlite:///{tmp_path}/broken.db", outbox=str(tmp_path / "outbox"))
     tracker = MlflowTracker(cfg, DistInfo())
-    key = tracker.start(Config(), {"seed": 1}, None, tmp_path)
+    key = tracker.start(Config(), {"seed": 1}, None, tmp_path, "seed_cnn")
     tracker.log_metrics({"x": 1.0}, step=1)
     tracker.finish()  # the last delivery fails, is said, and returns
     assert key.startswith("pending-") and (tmp_path / "outbox" / key / "main.jsonl").is_file()
@@ -237,7 +237,7 @@ def test_a_store_that_refuses_for_good_turns_tracking_off(monkeypatch: pytest.Mo
     monkeypatch.setattr(MlflowTracker, "_create_now", refuse)
     tracker = MlflowTracker(MlflowConfig(outbox=str(tmp_path / "outbox")), DistInfo())
     with pytest.warns(RuntimeWarning, match="training goes on without tracking"):
-        tracker.start(Config(), {}, None, tmp_path)
+        tracker.start(Config(), {}, None, tmp_path, "seed_cnn")
     assert tracker.run_id is None and not tracker.enabled
     tracker.log_metrics({"x": 1.0}, step=0)  # silently off from now on
     assert not (tmp_path / "outbox").exists()
@@ -379,3 +379,14 @@ def test_a_run_left_running_by_sigkill_is_closed_failed_by_a_fresh_start(tmp_pat
     assert closed.info.run_id == orphan.info.run_id and closed.info.status == "FAILED"
     assert "was killed" in closed.data.tags["ddpipe.end_reason"]
     assert new.info.status == "FINISHED"
+
+
+def test_a_model_record_names_the_network_also_when_written_before_the_names_were_kept() -> None:
+    """An outbox that waited for its store across an upgrade still delivers: its model record holds the run's
+    whole config instead of the names."""
+    from ddpipe.config.loading import to_yaml
+    from ddpipe.delivery import model_names
+
+    assert model_names({"model_name": "resnet_compact", "registered_model_name": None}) == ("resnet_compact", None)
+    old = load_config(["model.name=seed_cnn", "mlflow.registered_model_name=fashion"], params_file=None)
+    assert model_names({"config": to_yaml(old)}) == ("seed_cnn", "fashion")

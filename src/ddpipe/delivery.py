@@ -152,23 +152,31 @@ def _model(client: Any, journal: Any, run_id: str, rec: dict) -> None:
     import numpy as np
     from mlflow.tracking import fluent
 
-    from ddpipe.config.loading import load_config
     from ddpipe.inference import log_model
     from ddpipe.runstore import git_tags
 
-    model_name, registered = rec.get("model_name"), rec.get("registered_model_name")
-    if "config" in rec:  # a record written before the names were kept holds the run's whole config
-        with tempfile.TemporaryDirectory() as tmp:
-            params = Path(tmp) / "params.yaml"
-            params.write_text(rec["config"])
-            cfg = load_config(params_file=params)
-        model_name, registered = cfg.model.name, cfg.mlflow.registered_model_name
+    model_name, registered = model_names(rec)
     active = mlflow.start_run(run_id=run_id, log_system_metrics=False)
     try:
+        # the commit tags a registered version only: no git subprocess for a model that is not registered
         log_model(mlflow, run_id, Path(rec["model"]), np.load(rec["example"]), model_name, registered,
-                  git_tags()["git_commit"])
+                  git_tags()["git_commit"] if registered else "")
     finally:
         fluent._active_run_stack.get().remove(active)  # not end_run: the run's own records set its status
+
+
+def model_names(rec: dict) -> tuple[str, str | None]:
+    """(the network's name, the registered model's or None) of a ``model`` record. A record written before the names
+    were kept holds the run's whole config (in an outbox that waited for its store across the upgrade)."""
+    if "config" not in rec:
+        return rec["model_name"], rec.get("registered_model_name")
+    from ddpipe.config.loading import load_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        params = Path(tmp) / "params.yaml"
+        params.write_text(rec["config"])
+        cfg = load_config(params_file=params)
+    return cfg.model.name, cfg.mlflow.registered_model_name
 
 
 def _reopen(client: Any, journal: Any, run_id: str, rec: dict) -> None:

@@ -1,7 +1,7 @@
 """How a training that was asked to stop ends: the signals that ask (a scheduler's), the exception that carries
-the stop out of the loop and the exit code that says "run the same command to resume". Plain definitions, so the
-launcher, the tracker and the stage read them without importing the process group (``ddpipe.preemption`` turns
-the signals into a stop every rank agrees on)."""
+the stop out of the loop and the exit code that says "run the same command to resume". Plain definitions, so what
+only reads them (the tracker, and through it the evaluate stage) imports nothing of ``ddpipe.distributed``
+(``ddpipe.preemption`` turns the signals into a stop every rank agrees on)."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from ddpipe.exits import EXIT_PREEMPTED, STOP_SIGNALS
 from ddpipe.hostshare import GpuLease, visible_gpus
 from ddpipe.models.registry import module_file
 from ddpipe.network import build_network
-from ddpipe.resolve.run import Resolved, resolve
+from ddpipe.resolve.run import Resolved, resolve, resolve_job
 
 PACKAGED_TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "stages" / "train.py"
 
@@ -110,20 +110,23 @@ CHECKED_ENV = "DDPIPE_LAUNCH_CHECKED"
 
 
 def this_device() -> torch.device:
-    """The kind of device this node's workers train on (each takes its own GPU: ``ddpipe.distributed``)."""
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    """The device this process trains on: under torchrun a worker's own GPU (LOCAL_RANK's, as
+    ``ddpipe.distributed`` binds it), GPU 0 for the launcher, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
-def preflight(cfg: Config, world_size: int | None = None) -> Resolved:
+def preflight(cfg: Config, world_size: int) -> Resolved:
     """Every check that needs this node's devices, the prepared data or the network, for a job of ``world_size``
-    processes (None: the job at its largest), run before torchrun starts any worker (workers it started skip them:
-    :data:`CHECKED_ENV`); the run resolved for this node. The network is built once here, with its pretrained
+    processes, run before torchrun starts any worker (workers it started skip them: :data:`CHECKED_ENV`); the run
+    resolved for this node. The network is built once here, with its pretrained
     weights (a torchvision name is downloaded into torch hub's cache here, once, not by every worker), so a wrong
     name, keyword or weights file fails now."""
     run = resolve(cfg, this_device())
     build_network(run)
     note_network(run)
-    run.check_world_size(world_size or run.job.max_world_size)
+    run.check_world_size(world_size)
     return run
 
 
@@ -164,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError(f"distributed.rdzv_endpoint = '' is not accepted with distributed.nnodes = "
                               f"{cfg.distributed.nnodes!r}: every node needs host:port of the first node's rendezvous "
                               "(deploy/ sets it; python -m ddpipe.cluster submit sets it for queued experiments)")
-        job = preflight(cfg).job
+        job = resolve_job(cfg.distributed)
+        preflight(cfg, job.max_world_size)
         if note := check_access(cfg.mlflow):  # a server that refuses this user: before anything is written
             print(note, file=sys.stderr, flush=True)
     env = {**os.environ, CHECKED_ENV: "1"}

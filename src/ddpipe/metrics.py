@@ -60,14 +60,13 @@ class EpochProgress:
     seconds: float = 0.0
 
     def as_state(self) -> dict[str, torch.Tensor]:
-        """The checkpoint's form: each field a float64 scalar (a float would round-trip too, a tensor is what
-        ``torch.load(weights_only=True)`` is sure to keep bit for bit)."""
+        """The checkpoint's form: each field by name, a float64 scalar."""
         return {f.name: torch.tensor(getattr(self, f.name), dtype=torch.float64) for f in fields(self)}
 
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor] | torch.Tensor | None) -> EpochProgress:
-        """What :meth:`as_state` wrote; None (a checkpoint at an epoch's end) is an empty epoch. Checkpoints
-        written before the fields were named hold float64 [loss_sum, correct, count, seconds]."""
+        """What :meth:`as_state` wrote. Checkpoints written before the fields were named hold float64 [loss_sum,
+        correct, count, seconds]; older ones none (an empty epoch)."""
         if state is None:
             return cls()
         if isinstance(state, torch.Tensor):
@@ -94,9 +93,13 @@ class EpochMeter:
     def seconds(self) -> float:
         return time.perf_counter() - self.t0
 
+    def _named(self, sums: torch.Tensor) -> EpochProgress:
+        loss_sum, correct, count = sums.tolist()
+        return EpochProgress(loss_sum=loss_sum, correct=correct, count=count, seconds=self.seconds())
+
     def local(self) -> EpochProgress:
         """This rank's sums since the epoch (re)started, and the epoch's seconds (the progress bar's figures)."""
-        return EpochProgress(*self.sums.tolist(), self.seconds())
+        return self._named(self.sums)
 
     def _resumed_sums(self) -> torch.Tensor:
         r = self.resumed
@@ -104,14 +107,13 @@ class EpochMeter:
 
     def so_far(self, info: DistInfo) -> EpochProgress:
         """Sums over every rank and seconds so far, for a mid-epoch checkpoint (a collective)."""
-        sums = dd.all_reduce_sum(self.sums.clone(), info) + self._resumed_sums()
-        return EpochProgress(*sums.tolist(), self.seconds())
+        return self._named(dd.all_reduce_sum(self.sums.clone(), info) + self._resumed_sums())
 
     def total(self, info: DistInfo) -> EpochProgress:
         """The epoch's sums over every rank (a collective) and its seconds."""
         sums = dd.all_reduce_sum(self.sums, info)
         sums += self._resumed_sums()
-        return EpochProgress(*sums.tolist(), self.seconds())
+        return self._named(sums)
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
-"""Who this process is among a job's ranks (:class:`DistInfo`): plain data, with nothing of the process group,
-so that what only reads it (the tracker, the evaluate stage, the outputs) never imports torch.distributed.
-``ddpipe.distributed`` makes it when the process joins the job."""
+"""Who this process is among a job's ranks (:class:`DistInfo`): plain data, so that what only reads it (the
+tracker, and through it the evaluate stage) imports nothing of ``ddpipe.distributed``, the process group, its
+shared-memory transport or preemption. ``ddpipe.distributed`` makes it when the process joins the job."""
 
 from __future__ import annotations
 

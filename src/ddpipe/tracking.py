@@ -73,7 +73,7 @@ class NullTracker:
     uri = ""
 
     def start(self, cfg: Config, params: dict[str, Any], resume_run_id: str | None, markers: Path,
-              model_name: str | None = None) -> str | None:
+              model_name: str) -> str | None:
         return None
 
     def store_id(self) -> str | None:
@@ -119,11 +119,11 @@ class MlflowTracker(NullTracker):
     # -- the run's beginning -------------------------------------------------------------------
 
     def start(self, cfg: Config, params: dict[str, Any], resume_run_id: str | None, markers: Path,
-              model_name: str | None = None) -> str | None:
+              model_name: str) -> str | None:
         """Reopen ``resume_run_id`` (a resumed checkpoint's run) or start a new run with ``params`` (nested under
-        the sweep's parent when ``mlflow.sweep`` is set), named after the network ``model_name`` (by default
-        ``model.name``); close runs that killed attempts left RUNNING. The run's key: its id, or a pending key
-        when the store did not answer (the run is created when it does)."""
+        the sweep's parent when ``mlflow.sweep`` is set), named after the network ``model_name``; close runs that
+        killed attempts left RUNNING. The run's key: its id, or a pending key when the store did not answer (the
+        run is created when it does)."""
         gone = resume_run_id and Journal(outbox_root(self.cfg.outbox), resume_run_id, self.uri, owner=False)
         if gone and not gone.resolvable():
             finished(gone)
@@ -137,7 +137,7 @@ class MlflowTracker(NullTracker):
             tags = {**self._tags(), "ddpipe.attempts": "1", "ddpipe.end_reason": "running"}
             if self.cfg.sweep:
                 tags["ddpipe.sweep"] = self.cfg.sweep
-            name = run_name(model_name or cfg.model.name)
+            name = run_name(model_name)
             try:
                 key = self._create_now(name, tags)
             except Exception as exc:  # the store's word decides: wait for it, or do without tracking

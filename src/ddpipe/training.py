@@ -50,7 +50,7 @@ class Trainer:
         self.run, self.cfg, self.info, self.device = run, cfg, info, info.device
         self.stops = stops or StopRequests(info, cfg.distributed.timeout_s)  # asked at every step
         self.share = share or HostShare(cfg.distributed.threads_per_process, info.processes_on_host, enabled=False)
-        self.compute = run.compute(info.device)
+        self.compute = run.compute_on(info.device)
         deterministic_kernels(info.device)
         # Identical initial weights on every rank. Nothing in training draws from the global RNG after
         # this (augmentation is a hash of seed, epoch and index; the samplers seed their own generators):
@@ -287,6 +287,7 @@ def train(run: Resolved) -> dict[str, float]:
     trainer = None
     try:
         info = dd.open_host_sums(cfg.distributed, info)  # shared memory where distributed.shared_memory allows
+        run.check_world_size(info.world_size)  # the job formed: an epoch has an optimizer step at its size
         share = HostShare(cfg.distributed.threads_per_process, info.processes_on_host, info.device.type == "cpu")
         with StopRequests(info, cfg.distributed.timeout_s) as stops, share:
             trainer = Trainer(run, info, stops, share)

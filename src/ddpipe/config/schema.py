@@ -183,7 +183,7 @@ class TrainConfig:
 
 @dataclass
 class DistributedConfig:
-    # nproc_per_node and nnodes as the user set them (auto, MIN:MAX); ddpipe.launch.Job holds the ints they become
+    # nproc_per_node and nnodes as the user set them (auto, MIN:MAX); ddpipe.resolve.run.Job holds the ints they become
     nproc_per_node: str = param(
         "auto", "Processes per node: an int, or auto (one per GPU; on a CPU-only machine 1, using every core).",
         int_or=("auto",), trajectory=False,

@@ -80,7 +80,7 @@ def _prepare_arrays(cfg: DataConfig, seed: int, raw_dir: Path, staging: Path) ->
     positions, labels = relabel(labels, kept)
     splits = make_splits(labels, is_test[positions], cfg, seed)
     chw = tuple(int(d) for d in raw.train_images.shape[1:])
-    encoding = "encoded" if cfg.encoding == "encoded" else "raw"
+    encoding = data_encoding(cfg, True, max(chw[1:]))[0]  # the official datasets: one small size, raw for auto
     sums = np.zeros((2, chw[0]), dtype=np.int64)
     for name, split in splits.items():
         rows = positions[split]

@@ -9,6 +9,7 @@ are measured (BENCHMARKS.md, "Which network `auto` picks").
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -55,7 +56,6 @@ class Resolved:
     precision: str  # fp32 | bf16 | fp16
     channels_last: bool
     backend: str  # nccl | gloo
-    job: Job  # this node's processes and the job's nodes
     freeze_body_epochs: int | None  # None: the body stays frozen for good
 
     @property
@@ -63,7 +63,7 @@ class Resolved:
         """The ``model`` section with its name concrete: what builds the network and what the saved model records."""
         return replace(self.cfg.model, name=self.model_name)
 
-    def compute(self, device: torch.device) -> Compute:
+    def compute_on(self, device: torch.device) -> Compute:
         """How this run computes on ``device`` (a rank's own GPU, or the CPU)."""
         return Compute(device, self.precision, self.channels_last)
 
@@ -94,8 +94,8 @@ class Resolved:
                 "train.eval_batch_size_per_rank": self.eval_batch_size_per_rank}
 
     def trajectory(self) -> dict[str, Any]:
-        """The keys that shape the training trajectory (``config.trajectory``) with the network resolved: what a
-        checkpoint's fingerprint covers (``ddpipe.checkpoint.run_fingerprint``)."""
+        """The keys that shape the training trajectory (``ddpipe.config.keys.trajectory``) with the network
+        resolved: what a checkpoint's fingerprint covers (``ddpipe.checkpoint.run_fingerprint``)."""
         keys = {**trajectory(self.cfg), "model.name": self.model_name}
         if self.model_name in RENAMED:  # torchvision's network now, not the small-stem one of older checkpoints
             keys["model.torchvision_stem"] = True
@@ -105,10 +105,9 @@ class Resolved:
 def resolve(cfg: Config, device: torch.device, meta: Prepared | None = None) -> Resolved:
     """``cfg`` for ``device`` and the data ``meta`` describes (by default ``paths.prepared``'s meta.json:
     PreparedDataError if it cannot be read); ConfigError for a value this device cannot run (fp16 or nccl without
-    CUDA, exact mode on CUDA, more processes than this node's GPUs or cores) or a ``data.image_size`` the prepared
-    data cannot give."""
-    job = resolve_job(cfg.distributed)
-    meta = meta or load_meta(cfg.paths.prepared)
+    CUDA, exact mode on CUDA) or a ``data.image_size`` the prepared data cannot give. The job's processes and nodes
+    are the launcher's to resolve (:func:`resolve_job`): a worker is one of them."""
+    meta = load_meta(cfg.paths.prepared) if meta is None else meta
     size = input_size(meta, cfg.data.image_size)
     name, batch = auto_choice(device, size[0])
     tc, d = cfg.train, cfg.distributed
@@ -124,7 +123,7 @@ def resolve(cfg: Config, device: torch.device, meta: Prepared | None = None) -> 
         batch_size_per_rank=batch if tc.batch_size_per_rank == "auto" else int(tc.batch_size_per_rank),
         eval_batch_size_per_rank=eval_batch_size(tc, device, size[0]), precision=precision,
         channels_last=use_channels_last(tc.channels_last, device, precision),
-        backend=d.backend if d.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo"), job=job,
+        backend=d.backend if d.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo"),
         freeze_body_epochs=None if tc.freeze_body_epochs == "all" else int(tc.freeze_body_epochs))
 
 
@@ -183,7 +182,9 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     if requested != "auto":
         return requested
     if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        # this GPU's answer (a worker's own, before the process group binds it); no index: the current GPU's
+        with torch.cuda.device(device.index) if device.index is not None else contextlib.nullcontext():
+            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     return "bf16" if cpu_supports_bf16() else "fp32"
 
 
