@@ -64,7 +64,9 @@ def _common(tmp: Path, out: Path) -> list[str]:
             f"paths.confusion={out}/confusion.csv", f"paths.per_class={out}/per_class.csv",
             f"paths.reports={out}/reports", f"mlflow.tracking_uri=sqlite:///{tmp}/mlflow.db",
             f"mlflow.outbox={tmp}/outbox", f"paths.pretrained={tmp}/pretrained", "train.progress_bar=false",
-            "num_epochs=2", "model.width=8", "data.max_train_samples=3000"]
+            "num_epochs=2", "model.width=8", "data.max_train_samples=3000",
+            # one thread per process, whatever else runs on the host: a recording's float sums never depend on it
+            "distributed.threads_per_process=1"]
 
 
 def _run(cmd: list[str]) -> None:
