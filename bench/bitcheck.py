@@ -5,11 +5,12 @@ should not change behaviour can be compared bit for bit.
     python bench/bitcheck.py record OUT.json         # in the checkout to record (run before and after)
     python bench/bitcheck.py compare BEFORE.json AFTER.json    # prints ALL EQUAL, or each difference
 
-Each run goes through the stages' own commands (``python -m ddpipe.launch``, ``stages/evaluate.py``) in a
-temporary directory. Recorded: the sha256 of every tensor of the exported model and its other fields, the
-MLflow params and metrics of the run (all but clocks, hosts and code versions), the history and train metrics
-(all but seconds and images/s), the test metrics and the per-class report, the names of the checkpoints (each
-holds the run's fingerprint), and the fingerprint of params.yaml's defaults.
+Each run goes through the stages' own commands (``python -m ddpipe.launch``, ``stages/evaluate.py``), its files in
+the checkout's bench/results/bitcheck-work (two checkouts record at once, one thread per process). Recorded: the
+sha256 of every tensor of the exported model and its other fields, the MLflow params and metrics of the run (all
+but clocks, hosts and code versions), the history and train metrics (all but seconds and images/s), the test
+metrics and the per-class report, the names of the checkpoints (each holds the run's fingerprint), and the
+fingerprint of params.yaml's defaults.
 """
 
 from __future__ import annotations
@@ -18,15 +19,14 @@ import argparse
 import csv
 import hashlib
 import json
-import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+WORK = Path("bench/results/bitcheck-work")  # in the checkout (git-ignored); removed after each recording
 sys.path.insert(0, str(REPO))
 
 from bench.imageset import generate  # noqa: E402
@@ -110,27 +110,33 @@ def _golden() -> str:
 
 def record(out_json: Path) -> None:
     results: dict[str, Any] = {"golden_fingerprint": _golden()}
-    with tempfile.TemporaryDirectory(prefix="bitcheck-", dir="/tmp") as name:
-        tmp = Path(name)
-        generate(tmp / "images", 300, classes=4, seed=0)
+    # the runs' files lie in the checkout, named by paths relative to it (the stages run there): a path a run records
+    # (model.weights, data.source_dir, which its fingerprint covers) reads the same in any checkout
+    tmp, work = WORK, REPO / WORK
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        generate(work / "images", 300, classes=4, seed=0)
         for run_name, nproc, extra in RUNS:
             out = tmp / run_name
             args = _common(tmp, out) + [x.format(tmp=tmp) for x in extra]
             prepared = next(a.split("=", 1)[1] for a in args[::-1] if a.startswith("paths.prepared="))
-            if not (Path(prepared) / "meta.json").is_file():
+            if not (REPO / prepared / "meta.json").is_file():
                 _run(["stages/fetch.py", *args])
                 _run(["stages/prepare.py", *args])
             _run(["-m", "ddpipe.launch", *args, f"distributed.nproc_per_node={nproc}"])
             _run(["stages/evaluate.py", *args])
-            (tmp / "pretrained").mkdir(exist_ok=True)
-            shutil.copy(out / "model.pt", tmp / "pretrained" / f"{run_name}.pt")
+            out = REPO / out
+            (work / "pretrained").mkdir(exist_ok=True)
+            shutil.copy(out / "model.pt", work / "pretrained" / f"{run_name}.pt")
             results[run_name] = {
-                "model": _model(out / "model.pt"), "mlflow": _mlflow(tmp, out), "history": _rows(out / "history.csv"),
+                "model": _model(out / "model.pt"), "mlflow": _mlflow(work, out), "history": _rows(out / "history.csv"),
                 "train": _stable(json.loads((out / "train.json").read_text())["train"]),
                 "test": json.loads((out / "test.json").read_text()), "per_class": _rows(out / "per_class.csv"),
                 # each checkpoint is named after the run's fingerprint and its position
                 "checkpoints": sorted(p.name for p in (out / "ckpt").glob("ckpt-*.pt"))}
             print(f"{run_name}: test accuracy {results[run_name]['test']['test']['accuracy']:.4f}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     out_json.write_text(json.dumps(results, indent=1, sort_keys=True))
 
 
@@ -154,9 +160,7 @@ def main() -> None:
     if args.command == "record":
         record(args.out)
         return
-    # each recording trained in a temporary directory of its own: its name is no difference
-    before, after = (json.loads(re.sub(r"/tmp/bitcheck-\w+", "<tmp>", recorded.read_text()))
-                     for recorded in (args.before, args.after))
+    before, after = (json.loads(recorded.read_text()) for recorded in (args.before, args.after))
     diffs = _diff(before, after, "")
     print("\n".join(diffs) if diffs else "ALL EQUAL")
     sys.exit(1 if diffs else 0)
