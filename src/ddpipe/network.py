@@ -43,21 +43,18 @@ def build_network(run: Resolved, info: DistInfo | None = None) -> Network:
     try:
         weights = load_pretrained(cfg.model.weights) if cfg.model.weights else None
         notes = apply_pretrained(module, weights, num_classes) if weights else []
-        if info is None:  # the check: the head is found and exact mode supports every layer, nothing swapped
-            finetune = FineTuning(cfg.train.body_lr_ratio, run.freeze_body_epochs, module, num_classes)
-            if cfg.distributed.exact:
-                check_exact(module)
+        # the head by name: make_exact and SyncBatchNorm below keep every module's name when they swap layers
+        finetune = FineTuning(cfg.train.body_lr_ratio, run.freeze_body_epochs, module, num_classes)
+        if cfg.distributed.exact and info is None:  # the check: every layer supported, nothing swapped
+            check_exact(module)
     except ConfigError:
         raise
     except ValueError as exc:
         raise ConfigError(f"{exc} (model.name = {run.model_name!r})") from None
-    if info is not None:
-        if cfg.distributed.exact:
-            module = make_exact(module)  # its BatchNorm is synchronised too
-        elif info.distributed and info.world_size > 1 and cfg.distributed.sync_batchnorm:
-            module = convert_sync_batchnorm(module, info.device)  # before the DDP wrap
-        # the head by name: make_exact and SyncBatchNorm keep every module's name when they swap layers
-        finetune = FineTuning(cfg.train.body_lr_ratio, run.freeze_body_epochs, module, num_classes)
+    if info is not None and cfg.distributed.exact:
+        module = make_exact(module)  # its BatchNorm is synchronised too
+    elif info is not None and info.distributed and info.world_size > 1 and cfg.distributed.sync_batchnorm:
+        module = convert_sync_batchnorm(module, info.device)  # before the DDP wrap
     mean, std = (weights and weights.normalisation(meta.num_channels)) or (meta.mean, meta.std)
     # copied into the module: keep only what the run records of them
     return Network(module, finetune, mean, std, replace(weights, state_dict={}) if weights else None, notes)
