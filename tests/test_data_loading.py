@@ -18,7 +18,7 @@ from ddpipe.data.loading import BatchKey, Splits, TrainingData, TrainOrder, eval
 from ddpipe.data.store import load_meta
 from ddpipe.data.transforms import BatchTransform, EvalCrop, TrainCrop, decode
 from ddpipe.devices import Compute
-from ddpipe.resolve.run import input_size, resolve
+from ddpipe.resolve.run import eval_input_size, input_size, resolve
 from tests.conftest import prepare_generated_folder
 
 CPU = torch.device("cpu")
@@ -154,3 +154,14 @@ def test_input_size_follows_the_encoding(encoded: Path) -> None:
     assert input_size(raw, None) == [28, 28] and input_size(raw, 28) == [28, 28]
     with pytest.raises(ConfigError, match="data.image_size = 32 is not accepted for the prepared raw images of 28x28"):
         input_size(raw, 32)
+    # the evaluation view: encoded images at data.eval_image_size (FixRes), raw ones as stored
+    assert eval_input_size(meta, 80, 0.875, [64, 64]) == [80, 80]
+    assert eval_input_size(meta, None, 1.0, [64, 64]) == [64, 64]
+    assert eval_input_size(raw, None, 0.875, [28, 28]) == [28, 28]
+    with pytest.raises(ConfigError, match="data.eval_image_size = 32 is not accepted for the prepared raw images"):
+        eval_input_size(raw, 32, 0.875, [28, 28])
+    with pytest.raises(ConfigError, match="data.eval_crop_ratio = 0.9 is not accepted for prepared raw images"):
+        eval_input_size(raw, None, 0.9, [28, 28])
+    splits = Splits(encoded, meta, ("val",), [32, 32], eval_crop=EvalCrop(40, 1.0))
+    first = decode(splits.stored["val"].blob(0), 3)
+    assert torch.equal(splits.__getitems__(BatchKey("val", None, torch.arange(2)))[0][0], EvalCrop(40, 1.0)(first))

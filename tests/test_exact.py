@@ -146,13 +146,28 @@ def test_exact_mode_rejects_settings_it_cannot_honour(override: str, message: st
         load_config(["distributed.exact=true", override], params_file=None)
 
 
+# the recipe's steps that touch each sample or the loss: a policy, erasing, MixUp/CutMix partners and soft targets,
+# the balanced order and class weights, the weight average (in the checkpoint the exported weights come from)
+RECIPE = ("train.auto_augment=trivialaugment", "train.random_erasing=0.25", "train.mixup_alpha=0.2",
+          "train.cutmix_alpha=1.0", "train.sampler=balanced", "train.class_weights=balanced", "train.ema_decay=0.9")
+
+
 @pytest.mark.slow
-def test_one_and_two_processes_with_the_same_global_batch_end_with_equal_weights(tmp_path: Path,
-                                                                                 prepared: Path) -> None:
+@pytest.mark.parametrize("recipe", [(), RECIPE], ids=["plain", "recipe"])
+def test_one_and_two_processes_with_the_same_global_batch_end_with_equal_weights(tmp_path: Path, prepared: Path,
+                                                                                 recipe: tuple[str, ...]) -> None:
     """distributed.exact=true with default AdamW and precision, lr_scaling=none,
     global batch 64 as 1 x 64 and 2 x 32, 2 epochs: the same weights, bit for bit (without exact
-    mode they end ~6% apart on this data, as far as 1 vs 2 threads: test_training.py)."""
-    common = ["train.lr_scaling=none", "train.hflip=true", "distributed.exact=true"]
+    mode they end ~6% apart on this data, as far as 1 vs 2 threads: test_training.py); with the recipe's
+    augmentation, mixing, balanced order and weight average too."""
+    common = ["train.lr_scaling=none", "train.hflip=true", "distributed.exact=true", *recipe]
     run(torchrun(1, *args_for(tmp_path / "one", prepared, *common, "train.batch_size_per_rank=64")))
     run(torchrun(2, *args_for(tmp_path / "two", prepared, *common, "train.batch_size_per_rank=32")))
     assert max_rel_diff(weights(tmp_path / "one" / "model.pt"), weights(tmp_path / "two" / "model.pt")) == 0.0
+    if recipe:  # the weight average too, whichever of the two was exported
+
+        def average(run_dir: Path) -> dict[str, torch.Tensor]:
+            newest = sorted((run_dir / "ckpt").glob("ckpt-*.pt"))[-1]
+            return torch.load(newest, weights_only=True)["ema"]["average"]
+
+        assert max_rel_diff(average(tmp_path / "one"), average(tmp_path / "two")) == 0.0

@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
+from torch import nn
 
 from ddpipe.config.schema import TrainConfig
-from ddpipe.optim import lr_lambda, lr_scale
+from ddpipe.optim import build_optimization, lr_lambda, lr_scale
 
 
 @pytest.mark.parametrize("rule, world, factor", [
@@ -26,3 +27,14 @@ def test_warmup_then_cosine_schedule() -> None:
     assert values[-1] == pytest.approx(0.1, abs=0.01)  # to the floor
     g = lr_lambda(TrainConfig(warmup_epochs=0.0, lr_schedule="constant"), 10, 3)
     assert {g(s) for s in range(30)} == {1.0}
+
+
+@pytest.mark.parametrize("wd_norm_bias", [True, False])
+def test_norms_and_biases_go_without_weight_decay_when_asked(wd_norm_bias: bool) -> None:
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2))
+    cfg = TrainConfig(weight_decay=0.05, wd_norm_bias=wd_norm_bias)
+    _, optimizer, _ = build_optimization(cfg, lambda lr: [{"params": list(net.parameters()), "lr": lr}], 1, 10, 1)
+    decay = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+    assert len(decay) == len(list(net.parameters()))
+    for name, p in net.named_parameters():
+        assert decay[id(p)] == (0.05 if wd_norm_bias or p.ndim > 1 else 0.0), name

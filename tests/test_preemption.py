@@ -192,18 +192,27 @@ ENCODED = ("num_epochs=3", "data.image_size=32", "data.num_workers=2", "train.ba
            "train.hflip=true", "train.checkpoint_every_steps=2")
 
 
+# the recipe in the workers (a policy, erasing, MixUp/CutMix partners) and in the checkpoint (the weight average)
+RECIPE = ("train.ema_decay=0.9", "train.auto_augment=randaugment", "train.random_erasing=0.25",
+          "train.mixup_alpha=0.2", "train.cutmix_alpha=1.0", "data.eval_image_size=40")
+
+
 @pytest.mark.slow
 def test_encoded_images_with_loader_workers_resume_mid_epoch_to_equal_weights(tmp_path: Path, encoded: Path) -> None:
-    """Persistent loader workers decode and crop ahead of the step: a SIGTERM mid-epoch checkpoints that
-    step, and the resumed run's workers start at it, ending with the uninterrupted run's weights."""
+    """Persistent loader workers decode, crop and augment ahead of the step: a SIGTERM mid-epoch checkpoints that
+    step, and the resumed run's workers start at it, ending with the uninterrupted run's weights and weight
+    average."""
     whole = tmp_path / "whole"
-    run([sys.executable, "-m", "ddpipe.launch", *args_for(whole, encoded, *ENCODED)], env=CLONE_ENV)
-    cmd = [sys.executable, "-m", "ddpipe.launch", *args_for(tmp_path, encoded, *ENCODED)]
+    run([sys.executable, "-m", "ddpipe.launch", *args_for(whole, encoded, *ENCODED, *RECIPE)], env=CLONE_ENV)
+    cmd = [sys.executable, "-m", "ddpipe.launch", *args_for(tmp_path, encoded, *ENCODED, *RECIPE)]
     _, epoch, step = _sigterm_inside_epoch_2(cmd, tmp_path)
     resumed = run(cmd, env=CLONE_ENV)
     assert f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step}" in resumed.stdout
     print(f"stopped at epoch {epoch}, step {step}")
     assert same_weights(weights(tmp_path / "model.pt"), weights(whole / "model.pt"))
+    newest = [torch.load(sorted((d / "ckpt").glob("ckpt-*.pt"))[-1], weights_only=True) for d in (tmp_path, whole)]
+    assert same_weights(newest[0]["ema"]["average"], newest[1]["ema"]["average"])
+    assert same_weights(newest[0]["model"], newest[1]["model"])
 
 
 @pytest.mark.slow

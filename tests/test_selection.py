@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ddpipe.config.schema import TrainConfig
+from ddpipe.ema import WeightAverage
 from ddpipe.exits import EXIT_PREEMPTED
 from ddpipe.selection import ModelSelection
 from tests.conftest import CLONE_ENV, ROOT, args_for, run, same_weights, subprocess_env, weights
@@ -27,10 +28,26 @@ def test_the_best_epoch_is_kept_and_ties_keep_the_earliest() -> None:
             model.weight.fill_(epoch)
         sel.update(epoch, acc, model)
         assert sel.should_stop(epoch) == (epoch == 4)  # 2 epochs after the best (epoch 2)
-    exported, epoch = sel.exported(model, 4)
-    assert epoch == 2 and torch.equal(exported["weight"], torch.full((1, 2), 2.0))
-    last, last_epoch = ModelSelection(TrainConfig(export="last")).exported(model, 4)
+    exported, epoch, source = sel.exported(model, 4)
+    assert epoch == 2 and source == "raw" and torch.equal(exported["weight"], torch.full((1, 2), 2.0))
+    last, last_epoch, _ = ModelSelection(TrainConfig(export="last")).exported(model, 4)
     assert last_epoch == 4 and torch.equal(last["weight"], model.weight)
+
+
+def test_the_weight_average_is_exported_only_when_it_validates_better() -> None:
+    model = nn.Linear(2, 1)
+    ema = WeightAverage(model, 0.5)
+    with torch.no_grad():
+        model.weight.fill_(3.0)  # the average stays behind the raw weights
+    for export in ("best", "last"):
+        sel = ModelSelection(TrainConfig(export=export))
+        sel.update(1, 0.8, model, ema, 0.8)  # a tie keeps the raw weights
+        assert sel.exported(model, 1, ema)[2] == "raw"
+        sel.update(2, 0.8, model, ema, 0.85)
+        weights, epoch, source = sel.exported(model, 2, ema)
+        assert (epoch, source, sel.best_val_accuracy) == (2, "ema", 0.85)
+        assert torch.equal(weights["weight"], ema.average["weight"]) and not torch.equal(weights["weight"],
+                                                                                         model.weight)
 
 
 def test_the_selection_travels_in_a_weights_only_checkpoint(tmp_path: Path) -> None:

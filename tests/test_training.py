@@ -48,6 +48,26 @@ def test_train_in_process_on_the_real_config_shrunk(tiny_cfg, prepared: Path) ->
     assert len(names) == 2 and names[-1].endswith("-e0001-s000000.pt")
 
 
+RECIPE = ("train.ema_decay=0.9", "train.auto_augment=trivialaugment", "train.random_erasing=0.25",
+          "train.mixup_alpha=0.2", "train.cutmix_alpha=1.0", "train.sampler=balanced", "train.class_weights=balanced",
+          "train.wd_norm_bias=false")
+
+
+def test_the_whole_recipe_trains_and_reports_its_weight_average(tiny_cfg, prepared: Path) -> None:
+    """Every step of the recipe on at once: the history and the metrics hold the average's validation beside
+    the raw weights', and the model file says which of the two it holds (the better at the exported epoch)."""
+    cfg = tiny_cfg(f"paths.prepared={prepared}", "num_epochs=2", "mlflow.log_model=false",
+                   "mlflow.log_system_metrics=false", *RECIPE)
+    metrics = train(resolve(cfg, this_device()))
+    history = Path(cfg.paths.history).read_text().splitlines()
+    assert history[0].endswith(",ema_val_loss,ema_val_accuracy") and len(history) == 3
+    last = dict(zip(history[0].split(","), history[-1].split(",")))
+    saved = load_model(cfg.paths.model)[1]
+    better = float(last["ema_val_accuracy"]) > float(last["val_accuracy"])
+    assert saved.exported_weights == ("ema" if better else "raw") and metrics["exported_ema"] == float(better)
+    assert metrics["ema_val_accuracy"] == pytest.approx(float(last["ema_val_accuracy"]), abs=1e-6)
+
+
 def test_a_training_logged_to_a_file_reads_as_plain_lines(tiny_cfg, prepared: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """Output not a terminal (``dvc repro > log 2>&1``, a cluster job): the progress comes as a few plain lines

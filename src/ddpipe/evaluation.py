@@ -82,7 +82,8 @@ class TestSplit:
         if meta.classes != classifier.classes:
             raise PreparedDataError(f"{cfg.paths.model} predicts classes {classifier.classes[:5]}..., but "
                              f"{cfg.paths.prepared} holds {meta.classes[:5]}...: train the model on this data first")
-        self.splits = Splits(cfg.paths.prepared, meta, ("test",), list(classifier.image_size))
+        self.splits = Splits(cfg.paths.prepared, meta, ("test",), list(classifier.image_size),
+                             eval_crop=classifier.eval_crop)
         workers = loader_workers(cfg.data.num_workers, meta.encoding, torch.device("cpu"), cpu_count())
         self.loader = Loader(self.splits, workers, pin_memory=False)
         self.n = meta.sizes["test"]

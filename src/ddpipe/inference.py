@@ -50,6 +50,7 @@ class ImageClassifier:
         self.exported_epoch = saved.exported_epoch
         self.flips = saved.model.eval_flips
         self.encoding = saved.encoding
+        self.eval_crop = EvalCrop(self.image_size[0], saved.eval_crop_ratio)  # encoded: validation's very crop
         # crop padding 0, no flips: evaluation's transform, never the training augmentation
         self.normalise = BatchTransform(saved.mean, saved.std, 0, False, 0, self.device, False)
 
@@ -108,7 +109,7 @@ class ImageClassifier:
         if batch.shape[1] != self.num_channels:  # a grey image for a colour model
             batch = batch.expand(-1, self.num_channels, -1, -1)
         if self.encoding == "encoded":  # every image, whatever its size: the evaluation crop
-            return torch.stack([EvalCrop(self.image_size[0])(image) for image in batch])
+            return torch.stack([self.eval_crop(image) for image in batch])
         if tuple(batch.shape[2:]) != self.image_size:
             resized = F.interpolate(batch.float(), size=self.image_size, mode="bilinear", antialias=True,
                                     align_corners=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -31,21 +31,31 @@ class EpochStats:
     lr: float
     images_per_s: float
     epoch_seconds: float
+    ema_val_loss: float | None = None  # the moving average of the weights (train.ema_decay), when kept
+    ema_val_accuracy: float | None = None
 
     @classmethod
-    def from_progress(cls, epoch: int, done: EpochProgress, val_loss: float, val_accuracy: float,
-                      lr: float) -> EpochStats:
-        """Epoch ``epoch`` (0-based) from its training over every rank (``done``) and its validation."""
+    def from_progress(cls, epoch: int, done: EpochProgress, lr: float, val: tuple[float, float],
+                      ema: tuple[float, float] | None = None) -> EpochStats:
+        """Epoch ``epoch`` (0-based) from its training over every rank (``done``) and its validation's loss and
+        accuracy (``val``; ``ema``: the weight average's)."""
         seen = max(done.count, 1.0)
         return cls(epoch=epoch + 1, train_loss=done.loss_sum / seen, train_accuracy=done.correct / seen,
-                   val_loss=val_loss, val_accuracy=val_accuracy, lr=lr,
-                   images_per_s=done.count / done.seconds if done.seconds > 0 else 0.0, epoch_seconds=done.seconds)
+                   val_loss=val[0], val_accuracy=val[1], lr=lr,
+                   images_per_s=done.count / done.seconds if done.seconds > 0 else 0.0, epoch_seconds=done.seconds,
+                   ema_val_loss=ema[0] if ema else None, ema_val_accuracy=ema[1] if ema else None)
 
     def summary(self, num_epochs: int) -> str:
         """The epoch's line in the training log."""
+        ema = f" (ema: loss {self.ema_val_loss:.4f} acc {self.ema_val_accuracy:.4f})" \
+            if self.ema_val_accuracy is not None else ""
         return (f"epoch {self.epoch}/{num_epochs}: train loss {self.train_loss:.4f} acc {self.train_accuracy:.4f} | "
-                f"val loss {self.val_loss:.4f} acc {self.val_accuracy:.4f} | {self.images_per_s:.0f} images/s, "
+                f"val loss {self.val_loss:.4f} acc {self.val_accuracy:.4f}{ema} | {self.images_per_s:.0f} images/s, "
                 f"{self.epoch_seconds:.1f} s")
+
+    def logged(self) -> dict[str, float]:
+        """The epoch's MLflow metrics (the weight average's only when kept)."""
+        return {k: v for k, v in asdict(self).items() if k != "epoch" and v is not None}
 
 
 @dataclass(frozen=True)
@@ -143,12 +153,16 @@ def evaluate_split(model: nn.Module, batches: Iterable[tuple], n: int, transform
 
 
 def final_metrics(history: list[EpochStats], best_epoch: int, best_val_accuracy: float,
-                  exported_epoch: int, world_size: int, effective_lr: float) -> dict[str, float]:
-    """What a finished training reports (``paths.train_metrics``, the DVC metrics of the train stage)."""
+                  exported_epoch: int, world_size: int, effective_lr: float, exported_ema: bool = False
+                  ) -> dict[str, float]:
+    """What a finished training reports (``paths.train_metrics``, the DVC metrics of the train stage);
+    ``exported_ema``: the exported weights are the moving average (1) or the raw weights (0)."""
     last = history[-1]
+    ema = {"ema_val_accuracy": last.ema_val_accuracy, "exported_ema": float(exported_ema)} \
+        if last.ema_val_accuracy is not None else {}
     return {
         "best_val_accuracy": best_val_accuracy, "best_epoch": best_epoch,
-        "exported_epoch": exported_epoch, "epochs": len(history),
+        "exported_epoch": exported_epoch, "epochs": len(history), **ema,
         "val_accuracy": last.val_accuracy, "val_loss": last.val_loss,
         "train_loss": last.train_loss, "train_accuracy": last.train_accuracy,
         "train_seconds": sum(h.epoch_seconds for h in history),

@@ -42,13 +42,28 @@ def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter] | lis
     return torch.optim.AdamW(params, lr=lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay)
 
 
+def without_norm_bias_decay(groups: list[dict]) -> list[dict]:
+    """Each group split in two: its weights of two or more dimensions (convolutions, linear layers, embeddings)
+    keep the weight decay; its one-dimensional ones (normalisation weights, biases) get none, as torchvision's
+    recipe (``norm_weight_decay=0``, ``bias_weight_decay=0``) and timm's do. Empty halves are left out."""
+    split = []
+    for group in groups:
+        params = list(group["params"])
+        for keep, wd in (([p for p in params if p.ndim > 1], {}), ([p for p in params if p.ndim <= 1],
+                                                                      {"weight_decay": 0.0})):
+            if keep:
+                split.append({**group, "params": keep, **wd})
+    return split
+
+
 def build_optimization(cfg: TrainConfig, groups: Callable[[float], list[dict]], world_size: int,
                        steps_per_epoch: int, num_epochs: int
                        ) -> tuple[float, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """(peak lr for ``world_size`` processes, the optimizer over the parameter ``groups`` made for that lr,
     its schedule: every group's lr follows the same warm-up and decay)."""
     lr = cfg.base_lr * lr_scale(cfg.lr_scaling, world_size)
-    optimizer = build_optimizer(cfg, groups(lr), lr)
+    made = groups(lr)
+    optimizer = build_optimizer(cfg, made if cfg.wd_norm_bias else without_norm_bias_decay(made), lr)
     return lr, optimizer, build_scheduler(cfg, optimizer, steps_per_epoch, num_epochs)
 
 

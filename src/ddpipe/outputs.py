@@ -5,7 +5,7 @@ rank 0 only, each file atomically."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ class TrainingOutputs:
 
     weights: dict[str, Any]
     exported_epoch: int
+    exported_weights: str  # raw, or ema (the moving average: ddpipe.ema)
     metrics: dict[str, float]
     history: list[EpochStats]
     data: Prepared  # the input the saved model takes
@@ -38,7 +39,8 @@ def save_outputs(run: Resolved, outputs: TrainingOutputs, tracker: NullTracker, 
         return
     cfg, paths = run.cfg, run.cfg.paths
     save_model(outputs.weights, run.model, asdict(outputs.data), paths.model,
-               extra={"exported_epoch": outputs.exported_epoch})
+               extra={"exported_epoch": outputs.exported_epoch, "exported_weights": outputs.exported_weights,
+                      "eval_crop_ratio": cfg.data.eval_crop_ratio})
     atomic_write_json(paths.train_metrics, {"train": outputs.metrics})
     atomic_write_text(paths.history, history_csv(outputs.history))
     atomic_write_json(paths.run_info, {"run_id": tracker.store_id() or "", "tracking_uri": redact(tracker.uri)})
@@ -51,6 +53,7 @@ def save_outputs(run: Resolved, outputs: TrainingOutputs, tracker: NullTracker, 
 
 def history_csv(history: list[EpochStats]) -> str:
     """The per-epoch history as CSV (``paths.history``, DVC's plots)."""
-    keys = [f.name for f in fields(EpochStats)]
+    keys = [f.name for f in fields(EpochStats)  # the weight average's columns only when it was kept
+            if f.default is MISSING or any(getattr(h, f.name) is not None for h in history)]
     lines = [",".join(keys)] + [",".join(f"{getattr(h, k):.6g}" for k in keys) for h in history]
     return "\n".join(lines) + "\n"

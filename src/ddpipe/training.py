@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -25,11 +24,13 @@ from ddpipe.batchnorm import CPUSyncBatchNorm
 from ddpipe.checkpoint import Checkpointer, Position, run_fingerprint
 from ddpipe.data.loading import TrainingData
 from ddpipe.devices import Compute, deterministic_kernels
+from ddpipe.ema import WeightAverage
 from ddpipe.exact import clip_grad_norm_ as exact_clip_grad_norm_
 from ddpipe.exits import Preempted
 from ddpipe.hostshare import HostShare
 from ddpipe.metrics import EpochMeter, EpochProgress, EpochStats, evaluate_split, final_metrics
-from ddpipe.network import build_network
+from ddpipe.network import Network, build_network
+from ddpipe.objective import Objective
 from ddpipe.optim import Optimization
 from ddpipe.outputs import TrainingOutputs, save_outputs
 from ddpipe.preemption import StopRequests
@@ -52,20 +53,15 @@ class Trainer:
         self.share = share or HostShare(cfg.distributed.threads_per_process, info.processes_on_host, enabled=False)
         self.compute = run.compute_on(info.device)
         deterministic_kernels(info.device)
-        # Identical initial weights on every rank. Nothing in training draws from the global RNG after
-        # this (augmentation is a hash of seed, epoch and index; the samplers seed their own generators):
-        # a layer that did (Dropout) would draw the same numbers on every rank.
-        torch.manual_seed(cfg.seed)
-        network = build_network(run, info)
-        for line in network.notes:
-            dd.print0(line, info=info)
-        self.module, self.finetune, self.pretrained = self.compute.place(network.module), network.finetune, \
-            network.weights
+        network, self.module = placed_network(run, info, self.compute)
+        self.finetune, self.pretrained = network.finetune, network.weights
         meta = replace(run.meta, mean=network.mean, std=network.std)  # the input the network expects
         self.num_workers = run.loader_workers(self.share.cores(info.device))
         self.data = TrainingData.load(run, meta, self.compute, rank=info.rank, world_size=info.world_size,
                                       num_workers=self.num_workers)
         self.model = wrap(self.module, info, tc.compile)
+        self.objective = Objective(tc, self.data, info.device)
+        self.ema = WeightAverage(self.module, tc.ema_decay) if tc.ema_decay is not None else None
         self.steps_per_epoch = run.steps_per_epoch(info.world_size)
         self.optim = Optimization(tc, lambda lr: self.finetune.param_groups(self.module, lr), info.world_size,
                                   self.steps_per_epoch, cfg.num_epochs, self.compute.grad_scaler(),
@@ -75,7 +71,8 @@ class Trainer:
         fp = run_fingerprint(run.trajectory(), run.global_batch_size(info.world_size), self.optim.effective_lr,
                              asdict(meta))
         self.checkpointer = Checkpointer(cfg.paths.checkpoints, fp, tc.keep_checkpoints, info)
-        self.parts = {"model": self.module, **self.optim.parts(), "selection": self.selection}  # checkpointed
+        self.parts = {"model": self.module, **self.optim.parts(), "selection": self.selection,  # checkpointed
+                      **({"ema": self.ema} if self.ema else {})}
         self.history: list[EpochStats] = []
 
     def fit(self) -> dict[str, float]:
@@ -122,8 +119,8 @@ class Trainer:
                 if step < self.steps_per_epoch:  # the epoch's end checkpoints (and stops) in fit()
                     self._between_steps(epoch, step, meter)
         done = meter.total(self.info)
-        val_loss, val_acc = self.validate()
-        stats = EpochStats.from_progress(epoch, done, val_loss, val_acc, self.optim.lr)
+        stats = EpochStats.from_progress(epoch, done, self.optim.lr, self.validate(),
+                                         self.validate(self.ema) if self.ema else None)
         dd.print0(stats.summary(self.cfg.num_epochs), info=self.info)
         return stats
 
@@ -133,15 +130,15 @@ class Trainer:
         for i, batch in enumerate(micro_batches):
             self._forward_backward(batch, epoch, meter, sync=i == len(micro_batches) - 1)
         self.optim.step(self.module.parameters())
+        if self.ema is not None:
+            self.ema.update(self.module)
 
     def _forward_backward(self, batch: tuple, epoch: int, meter: EpochMeter, sync: bool) -> None:
-        images, labels, idx = batch
-        x = self.data.transform(images.to(self.device, non_blocking=True), idx, epoch)
-        labels = labels.to(self.device, non_blocking=True)
+        x, labels, targets = self.objective.inputs(batch, epoch)
         with contextlib.nullcontext() if sync or not self.info.distributed else self.model.no_sync():
             with self.compute.autocast():
                 logits = self.model(x)
-                loss = F.cross_entropy(logits, labels, label_smoothing=self.cfg.train.label_smoothing)
+                loss = self.objective.loss(logits, labels, targets)
             self.optim.backward(loss)
         meter.add(loss, logits, labels)
 
@@ -156,18 +153,20 @@ class Trainer:
 
     def _end_epoch(self, stats: EpochStats) -> None:
         self.history.append(stats)
-        self.selection.update(stats.epoch, stats.val_accuracy, self.module)
+        self.selection.update(stats.epoch, stats.val_accuracy, self.module, self.ema, stats.ema_val_accuracy)
         # MLflow steps are epochs counted from 1, as in the history DVC plots
-        self.tracker.log_metrics({**{k: v for k, v in asdict(stats).items() if k != "epoch"},
-                                  "best_val_accuracy": self.selection.best_val_accuracy}, step=stats.epoch)
+        self.tracker.log_metrics({**stats.logged(), "best_val_accuracy": self.selection.best_val_accuracy},
+                                 step=stats.epoch)
         self._save(Position(stats.epoch, 0))
 
     @torch.no_grad()
-    def validate(self) -> tuple[float, float]:
-        """Loss and accuracy over the whole validation split, each sample counted exactly once."""
+    def validate(self, average: WeightAverage | None = None) -> tuple[float, float]:
+        """Loss and accuracy over the whole validation split, each sample counted exactly once; of the weights'
+        moving ``average`` when given."""
         batches = self.data.eval_batches("val", self.run.eval_batch_size_per_rank)
-        return evaluate_split(self.module, batches, self.data.meta.sizes["val"], self.data.transform, self.info,
-                              self.compute, self.cfg.model.eval_flips)
+        with average.applied(self.module) if average else contextlib.nullcontext(self.module) as module:
+            return evaluate_split(module, batches, self.data.meta.sizes["val"], self.data.transform, self.info,
+                                  self.compute, self.cfg.model.eval_flips)
 
     def _save(self, pos: Position, progress: EpochProgress | None = None) -> None:
         """Checkpoint ``pos``; ``progress``: the epoch's sums and seconds so far, for a mid-epoch one."""
@@ -201,16 +200,28 @@ class Trainer:
 
     def finish(self) -> dict[str, float]:
         """Write the run's outputs (rank 0) and close its MLflow run."""
-        weights, exported_epoch = self.selection.exported(self.module, len(self.history))
+        weights, exported_epoch, source = self.selection.exported(self.module, len(self.history), self.ema)
         metrics = final_metrics(self.history, self.selection.best_epoch, self.selection.best_val_accuracy,
-                                exported_epoch, self.info.world_size, self.optim.effective_lr)
-        seen = replace(self.data.meta, image_size=self.data.size)  # the input the saved model takes
-        save_outputs(self.run, TrainingOutputs(weights, exported_epoch, metrics, self.history, seen,
+                                exported_epoch, self.info.world_size, self.optim.effective_lr, source == "ema")
+        seen = replace(self.data.meta, image_size=self.data.eval_size)  # the input the saved model takes
+        save_outputs(self.run, TrainingOutputs(weights, exported_epoch, source, metrics, self.history, seen,
                                                self.data.examples(4)), self.tracker, self.info)
         self.system.stop()
         self.tracker.finish()
         dd.barrier(self.info)
         return metrics
+
+
+def placed_network(run: Resolved, info: DistInfo, compute: Compute) -> tuple[Network, nn.Module]:
+    """The run's network and its module on this rank's device, with the same initial weights on every rank. Nothing
+    in training draws from the global RNG after this (augmentation is keyed by seed, epoch and sample, its v2
+    policies under a seeded generator put back after each image; the samplers seed their own generators): a layer
+    that did (Dropout) would draw the same numbers on every rank."""
+    torch.manual_seed(run.cfg.seed)
+    network = build_network(run, info)
+    for line in network.notes:
+        dd.print0(line, info=info)
+    return network, compute.place(network.module)
 
 
 def derived_params(t: Trainer) -> dict[str, Any]:

@@ -32,6 +32,7 @@ def param(
 
 
 DATASETS = ("fashion_mnist", "mnist", "cifar10", "imagefolder")
+EVAL_CROP_RATIO = 0.875  # data.eval_crop_ratio's default: the evaluation crop's side over the shorter side (224 of 256)
 # model.name: ddpipe's own networks by these names; any other word names a torchvision (or timm) classification
 # model, and "module:Class" a class of the user's (ddpipe.models.registry checks the name before any work)
 OWN_MODELS = ("resnet_small", "resnet_compact", "seed_cnn", "resnet18_cifar", "resnet34_cifar", "resnet50_cifar")
@@ -82,6 +83,15 @@ class DataConfig:
         None, "Side of the square the network sees. Encoded images: training random-resized crops and evaluation "
         "centre crops of this size (null = 224). Raw images: their stored size (null, or that size).", ge=8,
     )
+    eval_image_size: Optional[int] = param(
+        None, "Encoded images: the side validation, the test split and the served model resize their centre crop "
+        "to (null = image_size). Larger than image_size evaluates at a higher resolution than trained (FixRes: "
+        "random-resized crops make objects look larger in training than in a centre crop of the same size).", ge=8,
+    )
+    eval_crop_ratio: float = param(
+        EVAL_CROP_RATIO, "Encoded images: the evaluation crop's side as a share of the shorter side (0.875: "
+        "Resize(256) + CenterCrop(224)); 1.0 keeps the whole shorter side.", gt=0.0, le=1.0,
+    )
     num_workers: str = param(
         "auto", "DataLoader worker processes per rank that decode and augment (persistent, prefetching). auto: 0 "
         "for raw data (a batch is one gather), else the rank's share of this host's cores (less one on CUDA, "
@@ -130,6 +140,49 @@ class TrainConfig:
     lr_schedule: str = param("cosine", "After warm-up: cosine decay or constant.", choices=("cosine", "constant"))
     min_lr_ratio: float = param(0.0, "Cosine floor as a share of the peak lr.", ge=0.0, le=1.0)
     label_smoothing: float = param(0.1, "Cross-entropy label smoothing.", ge=0.0, lt=1.0)
+    class_weights: str = param(
+        "none", "Loss weight of each sample by its class: none, or balanced (n / (classes x the class's count in "
+        "the training split), so rare classes weigh more and the mean weight is 1).", choices=("none", "balanced"),
+    )
+    sampler: str = param(
+        "uniform", "Training order: uniform (every sample once per epoch, shuffled) or balanced (each epoch draws as "
+        "many samples with replacement, every class equally likely); both the same global batches at any world "
+        "size.", choices=("uniform", "balanced"),
+    )
+    ema_decay: Optional[float] = param(
+        None, "Exponential moving average of the weights and BatchNorm buffers, updated every optimizer step with "
+        "this decay (warmed up as min(decay, (1 + n) / (10 + n)) after n updates); validated each epoch beside "
+        "the raw weights, exported when better. null = off. Typical: 0.999 (about 1000 steps).", ge=0.0, lt=1.0,
+    )
+    wd_norm_bias: bool = param(
+        True, "Apply weight_decay to normalisation weights and biases too (false: only to conv and linear "
+        "weights, as torchvision's recipe does).",
+    )
+    auto_augment: str = param(
+        "none", "Per-image augmentation policy after the crop and flip (torchvision.transforms.v2): none, "
+        "trivialaugment (TrivialAugmentWide) or randaugment (RandAugment, randaugment_ops and _magnitude).",
+        choices=("none", "trivialaugment", "randaugment"),
+    )
+    randaugment_ops: int = param(2, "RandAugment: operations per image.", ge=1, le=14)
+    randaugment_magnitude: int = param(9, "RandAugment: magnitude of each operation (of 31 bins).", ge=0, le=30)
+    random_erasing: float = param(
+        0.0, "Probability of erasing a random rectangle of each training image (RandomErasing, filled with the "
+        "mean colour; 0 = off).", ge=0.0, le=1.0,
+    )
+    mixup_alpha: float = param(
+        0.0, "MixUp: each training image blended with a partner sample, the share drawn from Beta(alpha, alpha); "
+        "the targets blended alike (soft-target loss). 0 = off. Typical: 0.2.", ge=0.0,
+    )
+    cutmix_alpha: float = param(
+        0.0, "CutMix: a rectangle of a partner sample pasted into each training image, its area share from "
+        "Beta(alpha, alpha); targets by area. 0 = off. Typical: 1.0.", ge=0.0,
+    )
+    mix_prob: float = param(
+        1.0, "MixUp/CutMix: the share of training images that are mixed.", ge=0.0, le=1.0,
+    )
+    mix_switch_prob: float = param(
+        0.5, "With both mixup_alpha and cutmix_alpha set: the share of mixed images that take CutMix.", ge=0.0, le=1.0,
+    )
     grad_clip_norm: Optional[float] = param(None, "Clip the global gradient norm to this (null = off).", gt=0.0)
     grad_accum_steps: int = param(1, "Micro-batches per optimizer step (no_sync on all but the last).", ge=1)
     body_lr_ratio: float = param(

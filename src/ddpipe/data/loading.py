@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
+from ddpipe.data.augment import ImagePolicy, Mixing
+from ddpipe.data.sampling import epoch_order
 from ddpipe.data.store import EncodedSplit, Prepared, RawSplit, open_split
 from ddpipe.data.transforms import BatchTransform, EvalCrop, TrainCrop, decode
 from ddpipe.devices import Compute
@@ -34,22 +36,28 @@ from ddpipe.resolve.run import Resolved
 @dataclass(frozen=True)
 class BatchKey:
     """One batch to serve: samples ``indices`` of ``split``, in the training view of ``epoch`` (None:
-    the evaluation view)."""
+    the evaluation view) keyed by ``keys`` (None: the indices; ``ddpipe.data.sampling``), and with
+    ``partners`` the MixUp/CutMix partner of each (``ddpipe.data.augment.Mixing``), in their own training views."""
 
     split: str
     epoch: int | None
     indices: torch.Tensor
+    keys: torch.Tensor | None = None
+    partners: torch.Tensor | None = None
 
 
 class Splits(Dataset):
     """The prepared splits a loader reads, memory-mapped; ``__getitems__(key)`` gives a batch as
-    (uint8 images ``[B, C, H, W]``, int64 labels, int64 sample indices)."""
+    (uint8 images ``[B, C, H, W]``, int64 labels, int64 sample keys), and with partners their images and labels
+    and keys after those. Training views are ``size``; evaluation views ``eval_crop``'s (default: ``size``, the
+    default crop)."""
 
     def __init__(self, prepared_dir: str | Path, meta: Prepared, names: tuple[str, ...], size: list[int],
-                 train_crop: TrainCrop | None = None) -> None:
+                 train_crop: TrainCrop | None = None, policy: ImagePolicy | None = None,
+                 eval_crop: EvalCrop | None = None) -> None:
         self.stored = {name: open_split(prepared_dir, name, meta) for name in names}
-        self.channels, self.size, self.train_crop = meta.num_channels, list(size), train_crop
-        self.eval_crop = EvalCrop(size[0])
+        self.channels, self.size, self.train_crop, self.policy = meta.num_channels, list(size), train_crop, policy
+        self.eval_crop = eval_crop or EvalCrop(size[0])
 
     def __len__(self) -> int:
         return len(next(iter(self.stored.values())))
@@ -57,22 +65,35 @@ class Splits(Dataset):
     def __getitem__(self, key: BatchKey) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.__getitems__(key)
 
-    def __getitems__(self, key: BatchKey) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        split, idx = self.stored[key.split], key.indices.numpy()
+    def __getitems__(self, key: BatchKey) -> tuple[torch.Tensor, ...]:
+        keys = key.indices if key.keys is None else key.keys
+        images, labels = self._read(key.split, key.indices, keys, key.epoch)
+        if key.partners is None:
+            return images, labels, keys
+        return (images, labels, keys, *self._read(key.split, key.partners, key.partners, key.epoch), key.partners)
+
+    def _read(self, name: str, indices: torch.Tensor, keys: torch.Tensor, epoch: int | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        split, idx = self.stored[name], indices.numpy()
         labels = torch.from_numpy(np.asarray(split.labels[idx]))
         if isinstance(split, RawSplit):
             images = torch.from_numpy(split.pixels(idx))
+            if epoch is not None and self.policy is not None:  # the crop and flip follow, on the device
+                for k, key in enumerate(keys.tolist()):
+                    images[k] = self.policy(images[k], epoch, key)
         else:
-            images = _batch_buffer((len(idx), self.channels, *self.size))
-            for k, i in enumerate(idx):
-                images[k] = self._view(split, int(i), key.epoch)
-        return images, labels, key.indices
+            size = self.size if epoch is not None else [self.eval_crop.size] * 2
+            images = _batch_buffer((len(idx), self.channels, *size))
+            for k, (i, key) in enumerate(zip(idx.tolist(), keys.tolist())):
+                images[k] = self._view(split, i, key, epoch)
+        return images, labels
 
-    def _view(self, split: EncodedSplit, i: int, epoch: int | None) -> torch.Tensor:
+    def _view(self, split: EncodedSplit, i: int, key: int, epoch: int | None) -> torch.Tensor:
         image = decode(split.blob(i), self.channels)
         if epoch is None or self.train_crop is None:
             return self.eval_crop(image)
-        return self.train_crop(image, i, epoch)
+        view = self.train_crop(image, key, epoch)
+        return view if self.policy is None else self.policy(view, epoch, key)
 
 
 def _batch_buffer(shape: tuple[int, ...]) -> torch.Tensor:
@@ -139,10 +160,13 @@ class Loader:
 
 class TrainOrder:
     """This rank's batches of each epoch of a split of ``n`` samples, as DistributedSampler(shuffle=True,
-    drop_last=True, seed) and BatchSampler(drop_last=True) would give them, as one tensor."""
+    drop_last=True, seed) and BatchSampler(drop_last=True) would give them, as one tensor; with the split's
+    ``labels``, of the class-balanced draw instead (``ddpipe.data.sampling``)."""
 
-    def __init__(self, n: int, batch_size: int, rank: int, world_size: int, seed: int) -> None:
+    def __init__(self, n: int, batch_size: int, rank: int, world_size: int, seed: int,
+                 labels: np.ndarray | None = None) -> None:
         self.n, self.batch_size, self.rank, self.world_size, self.seed = n, batch_size, rank, world_size, seed
+        self.labels = labels
 
     def __len__(self) -> int:
         """Batches per epoch on this rank."""
@@ -150,11 +174,14 @@ class TrainOrder:
 
     def batches(self, epoch: int) -> torch.Tensor:
         """``[len(self), batch_size]`` sample indices of ``epoch`` (a new shuffle and shards every epoch)."""
-        g = torch.Generator()
-        g.manual_seed(self.seed + epoch)
-        perm = torch.randperm(self.n, generator=g)
-        mine = perm[self.rank:(self.n // self.world_size) * self.world_size:self.world_size]
-        return mine[:len(self) * self.batch_size].view(len(self), self.batch_size)
+        return self.keyed_batches(epoch)[0]
+
+    def keyed_batches(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sample indices of :meth:`batches` and their keys (``ddpipe.data.sampling``)."""
+        order = epoch_order(self.n, self.seed, epoch, self.labels)
+        cut = slice(self.rank, (self.n // self.world_size) * self.world_size, self.world_size)
+        return tuple(t[cut][:len(self) * self.batch_size].view(len(self), self.batch_size)  # type: ignore[return-value]
+                     for t in order)
 
 
 def eval_batches(n: int, batch_size: int, rank: int, world_size: int) -> list[torch.Tensor]:
@@ -174,14 +201,17 @@ def real_sample_mask(first_position: int, batch_len: int, rank: int, world_size:
 
 @dataclass
 class TrainingData:
-    """What a training reads, for one rank: ``meta.json``, the size the network sees, this rank's order of
-    the training split, its DataLoader (training and validation batches), and the batch transform."""
+    """What a training reads, for one rank: ``meta.json``, the sizes the network sees (training, evaluation),
+    this rank's order of the training split, its DataLoader (training and validation batches), the batch
+    transform and the MixUp/CutMix between samples (None: off)."""
 
     meta: Prepared
     size: list[int]
+    eval_size: list[int]
     order: TrainOrder
     loader: Loader
     transform: BatchTransform
+    mixing: Mixing | None
     rank: int
     world_size: int
 
@@ -193,16 +223,28 @@ class TrainingData:
         cfg, size, tc = run.cfg, run.input_size, run.cfg.train
         raw = meta.encoding == "raw"
         crop = None if raw else TrainCrop(size[0], tc.min_crop_scale, tc.hflip, cfg.seed)
-        splits = Splits(cfg.paths.prepared, meta, ("train", "val"), size, crop)
+        policy = ImagePolicy.from_config(tc, meta.mean, cfg.seed)
+        splits = Splits(cfg.paths.prepared, meta, ("train", "val"), size, crop, policy,
+                        EvalCrop(run.eval_size[0], cfg.data.eval_crop_ratio))
         transform = BatchTransform(meta.mean, meta.std, tc.random_crop_padding if raw else 0, tc.hflip and raw,
                                    cfg.seed, compute.device, compute.channels_last)
-        order = TrainOrder(meta.sizes["train"], run.batch_size_per_rank, rank, world_size, cfg.seed)
-        return cls(meta, size, order, Loader(splits, num_workers, compute.pin_memory), transform, rank, world_size)
+        n = meta.sizes["train"]
+        labels = np.asarray(splits.stored["train"].labels) if tc.sampler == "balanced" else None
+        order = TrainOrder(n, run.batch_size_per_rank, rank, world_size, cfg.seed, labels)
+        return cls(meta, size, run.eval_size, order, Loader(splits, num_workers, compute.pin_memory), transform,
+                   Mixing.from_config(tc, n, cfg.seed), rank, world_size)
 
     def train_batches(self, epoch: int, start: int = 0, stop: int | None = None) -> Iterator[tuple]:
-        """Batches ``start:stop`` of ``epoch`` on this rank (a resumed epoch starts at its checkpointed step)."""
-        keys = [BatchKey("train", epoch, b) for b in self.order.batches(epoch)[start:stop]]
-        return self.loader.serve(keys)
+        """Batches ``start:stop`` of ``epoch`` on this rank (a resumed epoch starts at its checkpointed step):
+        (images, labels, keys), and with mixing on the partners' images, labels and keys after them."""
+        indices, keys = (t[start:stop] for t in self.order.keyed_batches(epoch))
+        mixing = self.mixing
+        return self.loader.serve([BatchKey("train", epoch, i, k, mixing.partners(k, epoch) if mixing else None)
+                                  for i, k in zip(indices, keys)])
+
+    def train_labels(self) -> np.ndarray:
+        """The training split's labels (what ``train.class_weights: balanced`` counts)."""
+        return np.asarray(self.loader.splits.stored["train"].labels)
 
     def eval_batches(self, split: str, batch_size: int) -> Iterator[tuple]:
         """This rank's padded shard of ``split`` (``val``) in the evaluation view."""

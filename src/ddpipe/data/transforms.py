@@ -5,8 +5,9 @@ Raw images (small, one size) are augmented a batch at a time on the training dev
 and cropped one at a time in the loader's workers, by the ImageNet recipe of torchvision's reference
 scripts: for training a random-resized crop (``train.min_crop_scale`` to all of the area, aspect 3/4 to
 4/3) to ``data.image_size`` plus a flip (:class:`TrainCrop`); for validation, the test split and the
-served model the centre square of ``EVAL_CROP_RATIO`` of the shorter side, resized to ``data.image_size``
-(:class:`EvalCrop`: Resize(256) + CenterCrop(224), in one resampling). Images stay uint8 until
+served model the centre square of ``data.eval_crop_ratio`` of the shorter side (0.875 by default), resized to
+``data.eval_image_size`` (by default ``data.image_size``; FixRes: larger) (:class:`EvalCrop`: Resize(256) +
+CenterCrop(224), in one resampling). Images stay uint8 until
 :class:`BatchTransform` normalises them on the device.
 
 Every random choice is a function of (seed, epoch, sample index), never of a generator's position: the
@@ -22,7 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-EVAL_CROP_RATIO = 0.875  # the evaluation crop's side over the shorter side (224 of 256)
+from ddpipe.config.schema import EVAL_CROP_RATIO
+
 ASPECT_RANGE = (3 / 4, 4 / 3)  # the random-resized crop's aspect ratios (log-uniform)
 
 
@@ -54,7 +56,7 @@ class BatchTransform:
 
     def _augment(self, images: torch.Tensor, indices: torch.Tensor, epoch: int) -> torch.Tensor:
         key = _mix(_mix(torch.full_like(indices, self.seed & 0x7FFFFFFF)) ^ epoch)
-        key = _mix(key ^ indices)
+        key = _mix(key ^ (indices & 0x7FFFFFFF))  # keys of repeated draws may exceed 31 bits
         b, _, h, w = images.shape
         if self.crop_padding:
             p = self.crop_padding
@@ -97,9 +99,9 @@ def crop_resize(image: torch.Tensor, box: tuple[int, int, int, int], size: int) 
     return F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
 
 
-def centre_box(height: int, width: int) -> tuple[int, int, int, int]:
-    """The centre square of ``EVAL_CROP_RATIO`` of the shorter side."""
-    side = max(1, round(min(height, width) * EVAL_CROP_RATIO))
+def centre_box(height: int, width: int, ratio: float = EVAL_CROP_RATIO) -> tuple[int, int, int, int]:
+    """The centre square of ``ratio`` of the shorter side."""
+    side = max(1, round(min(height, width) * ratio))
     return (height - side) // 2, (width - side) // 2, side, side
 
 
@@ -145,11 +147,11 @@ class TrainCrop:
 
 
 class EvalCrop:
-    """Evaluation view of one image of any size: the centre square of ``EVAL_CROP_RATIO`` of its shorter side,
-    resized to ``size`` (validation, the evaluate stage and the served model all use this)."""
+    """Evaluation view of one image of any size: the centre square of ``ratio`` of its shorter side, resized to
+    ``size`` (validation, the evaluate stage and the served model all use this)."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, size: int, ratio: float = EVAL_CROP_RATIO) -> None:
+        self.size, self.ratio = size, ratio
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
-        return crop_resize(image, centre_box(image.shape[1], image.shape[2]), self.size)
+        return crop_resize(image, centre_box(image.shape[1], image.shape[2], self.ratio), self.size)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpipe.config.schema import RENAMED, ModelConfig
+from ddpipe.config.schema import EVAL_CROP_RATIO, RENAMED, ModelConfig
 from ddpipe.fsutil import atomic_save
 from ddpipe.models.registry import build_model
 
@@ -47,9 +47,11 @@ class SavedModel:
     classes: list[str]
     mean: list[float]  # the input normalisation the network was trained with
     std: list[float]
-    image_size: list[int]  # the input the network takes, [H, W]
+    image_size: list[int]  # the input the network takes, [H, W] (encoded: data.eval_image_size)
     encoding: str  # how a client's image becomes that input: raw (resized) or encoded (centre crop, resize)
     exported_epoch: int | None
+    eval_crop_ratio: float = EVAL_CROP_RATIO  # encoded: the centre crop's share of the shorter side
+    exported_weights: str = "raw"  # raw, or ema: the moving average of the weights (ddpipe.ema)
 
     @classmethod
     def from_payload(cls, payload: dict[str, Any]) -> SavedModel:
@@ -60,7 +62,10 @@ class SavedModel:
                    classes=list(payload["classes"]), mean=list(payload["mean"]), std=list(payload["std"]),
                    image_size=[int(s) for s in payload["image_size"]],
                    encoding=payload.get("encoding", "raw"),  # models saved before encoded data: raw
-                   exported_epoch=payload.get("exported_epoch"))
+                   exported_epoch=payload.get("exported_epoch"),
+                   # models saved before these keys: the fixed crop of that time, raw weights
+                   eval_crop_ratio=float(payload.get("eval_crop_ratio", EVAL_CROP_RATIO)),
+                   exported_weights=str(payload.get("exported_weights", "raw")))
 
 
 def is_saved_model(payload: object) -> bool:

@@ -16,7 +16,15 @@ from typing import Any
 import torch
 
 from ddpipe.config.keys import flatten, trajectory
-from ddpipe.config.schema import RENAMED, Config, ConfigError, DistributedConfig, ModelConfig, TrainConfig
+from ddpipe.config.schema import (
+    EVAL_CROP_RATIO,
+    RENAMED,
+    Config,
+    ConfigError,
+    DistributedConfig,
+    ModelConfig,
+    TrainConfig,
+)
 from ddpipe.data.store import Prepared, load_meta
 from ddpipe.devices import Compute, cpu_count, cpu_has_amx, cpu_supports_bf16
 
@@ -51,6 +59,7 @@ class Resolved:
     model_was_auto: bool
     device_kind: str  # the row of AUTO_CHOICES that `auto` took
     input_size: list[int]  # what the network sees: data.image_size resolved, [H, W]
+    eval_size: list[int]  # what it sees in validation, test and serving: data.eval_image_size resolved
     batch_size_per_rank: int
     eval_batch_size_per_rank: int
     precision: str  # fp32 | bf16 | fp16
@@ -69,7 +78,9 @@ class Resolved:
 
     def loader_workers(self, cores: int) -> int:
         """``data.num_workers`` for a rank that may use ``cores`` cores (:func:`loader_workers`)."""
-        return loader_workers(self.cfg.data.num_workers, self.meta.encoding, self.device, cores)
+        tc = self.cfg.train
+        per_image = tc.auto_augment != "none" or tc.random_erasing > 0
+        return loader_workers(self.cfg.data.num_workers, self.meta.encoding, self.device, cores, per_image)
 
     def global_batch_size(self, world_size: int) -> int:
         return self.batch_size_per_rank * world_size * self.cfg.train.grad_accum_steps
@@ -120,6 +131,7 @@ def resolve(cfg: Config, device: torch.device, meta: Prepared | None = None) -> 
     return Resolved(
         cfg=cfg, device=device, meta=meta, model_name=name if cfg.model.name == "auto" else cfg.model.name,
         model_was_auto=cfg.model.name == "auto", device_kind=device_kind(device), input_size=size,
+        eval_size=eval_input_size(meta, cfg.data.eval_image_size, cfg.data.eval_crop_ratio, size),
         batch_size_per_rank=batch if tc.batch_size_per_rank == "auto" else int(tc.batch_size_per_rank),
         eval_batch_size_per_rank=eval_batch_size(tc, device, size[0]), precision=precision,
         channels_last=use_channels_last(tc.channels_last, device, precision),
@@ -154,6 +166,23 @@ def input_size(meta: Prepared, image_size: int | None) -> list[int]:
     return stored
 
 
+def eval_input_size(meta: Prepared, eval_image_size: int | None, crop_ratio: float, size: list[int]) -> list[int]:
+    """[H, W] of the evaluation view: encoded images' centre crop resized to ``data.eval_image_size`` (null: the
+    training size ``size``); raw images are evaluated as stored, so neither key may ask otherwise there."""
+    if meta.encoding == "encoded":
+        side = eval_image_size or size[0]
+        return [side, side]
+    if eval_image_size is not None and [eval_image_size, eval_image_size] != size:
+        raise ConfigError(f"data.eval_image_size = {eval_image_size} is not accepted for the prepared raw images of "
+                          f"{size[0]}x{size[1]} px (evaluated as stored); accepted: null, or prepare them with "
+                          "data.encoding=encoded")
+    if crop_ratio != EVAL_CROP_RATIO:
+        raise ConfigError(f"data.eval_crop_ratio = {crop_ratio} is not accepted for prepared raw images (evaluated "
+                          f"whole, uncropped); accepted: {EVAL_CROP_RATIO} (the default), or prepare them with "
+                          "data.encoding=encoded")
+    return size
+
+
 def eval_batch_size(cfg: TrainConfig, device: torch.device, side: int) -> int:
     """``train.eval_batch_size_per_rank`` for ``device``: auto is twice the training batch (itself auto or not)."""
     if cfg.eval_batch_size_per_rank != "auto":
@@ -162,14 +191,15 @@ def eval_batch_size(cfg: TrainConfig, device: torch.device, side: int) -> int:
     return 2 * (auto_choice(device, side)[1] if requested == "auto" else int(requested))
 
 
-def loader_workers(setting: str, encoding: str, device: torch.device, cores: int) -> int:
+def loader_workers(setting: str, encoding: str, device: torch.device, cores: int, per_image: bool = False) -> int:
     """``data.num_workers`` resolved for a rank that may use ``cores`` cores. ``auto``: none for raw data (a
-    batch is one gather from the memory map: handing it between processes would cost more); for encoded
-    data on CUDA the rank's cores less one (the training process feeds the GPU), on CPU half of them (the
-    training's own threads compute on the same cores), at least one."""
+    batch is one gather from the memory map: handing it between processes would cost more) unless each image
+    has work of its own (``per_image``: an augmentation policy, random erasing); for encoded data on CUDA the
+    rank's cores less one (the training process feeds the GPU), on CPU half of them (the training's own threads
+    compute on the same cores), at least one."""
     if setting != "auto":
         return int(setting)
-    if encoding == "raw":
+    if encoding == "raw" and not per_image:
         return 0
     return max(1, cores - 1) if device.type == "cuda" else max(1, cores // 2)
 
