@@ -32,6 +32,12 @@ from ddpipe.config.schema import TrainConfig
 _POLICY, _MIX = 1, 2  # streams: the per-image policy's seed and the mixing draws never share numbers
 
 
+def keyed_rng(seed: int, epoch: int, key: int, *stream: int) -> np.random.Generator:
+    """A generator that only (seed, epoch, sample key[, stream]) determine (the crops draw from the stream-less
+    one)."""
+    return np.random.default_rng([seed, epoch, key, *stream])
+
+
 def key_seed(seed: int, epoch: int, key: int, stream: int) -> int:
     """A 63-bit seed that only (seed, epoch, sample key, stream) determine."""
     digest = hashlib.blake2b(struct.pack("<qqqq", seed, epoch, key, stream), digest_size=8).digest()
@@ -105,7 +111,7 @@ class Mixing:
 
     def plan(self, keys: torch.Tensor, epoch: int, height: int, width: int) -> MixPlan:
         """Each sample's draws, from a generator that (seed, epoch, sample key) alone seed."""
-        rows = [self._draw(np.random.default_rng([self.seed, epoch, int(k), _MIX]), height, width)
+        rows = [self._draw(keyed_rng(self.seed, epoch, int(k), _MIX), height, width)
                 for k in keys.tolist()]
         mixup, cutmix, box, lam = zip(*rows) if rows else ((), (), (), ())
         return MixPlan(torch.tensor(mixup, dtype=torch.bool), torch.tensor(cutmix, dtype=torch.bool),

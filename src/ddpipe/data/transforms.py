@@ -7,7 +7,8 @@ scripts: for training a random-resized crop (``train.min_crop_scale`` to all of 
 4/3) to ``data.image_size`` plus a flip (:class:`TrainCrop`); for validation, the test split and the
 served model the centre square of ``data.eval_crop_ratio`` of the shorter side (0.875 by default), resized to
 ``data.eval_image_size`` (by default ``data.image_size``; FixRes: larger) (:class:`EvalCrop`: Resize(256) +
-CenterCrop(224), in one resampling). Images stay uint8 until
+CenterCrop(224), in one resampling), or with ``data.eval_crop_mode: squash`` the whole image resized to a square
+first (timm's crop_mode), so that nothing off the centre of an oblong image is cut away. Images stay uint8 until
 :class:`BatchTransform` normalises them on the device.
 
 Every random choice is a function of (seed, epoch, sample index), never of a generator's position: the
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ddpipe.config.schema import EVAL_CROP_RATIO
+from ddpipe.data.augment import keyed_rng
 
 ASPECT_RANGE = (3 / 4, 4 / 3)  # the random-resized crop's aspect ratios (log-uniform)
 
@@ -105,11 +107,6 @@ def centre_box(height: int, width: int, ratio: float = EVAL_CROP_RATIO) -> tuple
     return (height - side) // 2, (width - side) // 2, side, side
 
 
-def keyed_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
-    """A generator that only (seed, epoch, sample index) determine."""
-    return np.random.default_rng([seed, epoch, index])
-
-
 def random_resized_box(height: int, width: int, rng: np.random.Generator, min_scale: float
                        ) -> tuple[int, int, int, int]:
     """torchvision's RandomResizedCrop box (area share in [min_scale, 1], log-uniform aspect in
@@ -146,12 +143,21 @@ class TrainCrop:
         return crop.flip(-1) if self.hflip and rng.random() < 0.5 else crop
 
 
-class EvalCrop:
-    """Evaluation view of one image of any size: the centre square of ``ratio`` of its shorter side, resized to
-    ``size`` (validation, the evaluate stage and the served model all use this)."""
+def squash_box(height: int, width: int, ratio: float) -> tuple[int, int, int, int]:
+    """The centre ``ratio`` of each side: once the whole image is squashed to a square, its centre square."""
+    h, w = max(1, round(height * ratio)), max(1, round(width * ratio))
+    return (height - h) // 2, (width - w) // 2, h, w
 
-    def __init__(self, size: int, ratio: float = EVAL_CROP_RATIO) -> None:
-        self.size, self.ratio = size, ratio
+
+class EvalCrop:
+    """Evaluation view of one image of any size, resized to ``size`` in one resampling: the centre square of
+    ``ratio`` of its shorter side (``mode="center"``), or the centre ``ratio`` of each side, aspect not kept
+    (``"squash"``: timm's Resize((s, s)) + CenterCrop). Validation, the evaluate stage and the served model all
+    use this."""
+
+    def __init__(self, size: int, ratio: float = EVAL_CROP_RATIO, mode: str = "center") -> None:
+        self.size, self.ratio, self.mode = size, ratio, mode
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
-        return crop_resize(image, centre_box(image.shape[1], image.shape[2], self.ratio), self.size)
+        box = squash_box if self.mode == "squash" else centre_box
+        return crop_resize(image, box(image.shape[1], image.shape[2], self.ratio), self.size)
