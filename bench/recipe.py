@@ -1,10 +1,10 @@
 """The recipe's ablation, as torchvision's "how to train state-of-the-art models" blog measured it: each step added
-to the one before, its test accuracy at the same wall time, mean ± std over seeds; and class weights on an
-imbalanced folder.
+to the one before (or with ``--alone``, each step alone on today's defaults, then the best ones together), its
+test accuracy at the same wall time, mean ± std over seeds; and class weights on an imbalanced folder.
 
-    python bench/recipe.py folder [--images 3000] [--seeds 3] [--epochs 30]   # generated photo-like folder, 64 px
-    python bench/recipe.py fashion [--seeds 3] [--epochs 10]                  # Fashion-MNIST, the default run
-    python bench/recipe.py imbalance [--seeds 3] [--epochs 30]                # one class 10x each other
+    python bench/recipe.py folder [--alone] [--images 3000] [--seeds 3] [--epochs 30]  # generated folder, 64 px
+    python bench/recipe.py fashion [--alone] [--seeds 3] [--epochs 10]                 # Fashion-MNIST, the default
+    python bench/recipe.py imbalance [--images 3000] [--seeds 3] [--epochs 30]         # one class 10x each other
 
 Same wall time: the first row (today's defaults) trains ``--epochs`` epochs; every row's seconds per epoch are
 measured first (one calibration epoch each, after the loader's warm-up), and each row then trains as many epochs
@@ -35,11 +35,25 @@ FOLDER_ROWS = [
     ("+ RandomErasing 0.25", ["train.random_erasing=0.25"]),
     ("+ FixRes: evaluated at 72 px", ["data.eval_image_size=72"]),
 ]
+# (row, its keys), each alone on today's defaults; the last row: the steps that measured better, together
+FOLDER_ALONE = [
+    ("today's defaults", []),
+    ("EMA of the weights (0.99)", ["train.ema_decay=0.99"]),
+    ("FixRes: evaluated at 72 px", ["data.eval_image_size=72"]),
+    ("evaluation crop: the whole shorter side", ["data.eval_crop_ratio=1.0"]),
+    ("training crop: min_crop_scale 0.35", ["train.min_crop_scale=0.35"]),
+    ("the three above together", ["data.eval_image_size=72", "data.eval_crop_ratio=1.0", "train.min_crop_scale=0.35"]),
+]
 FASHION_ROWS = [
     ("today's defaults", []),
     ("+ no weight decay on norms and biases", ["train.wd_norm_bias=false"]),
     ("+ EMA of the weights (0.999)", ["train.ema_decay=0.999"]),
     ("+ MixUp 0.2 / CutMix 1.0", ["train.mixup_alpha=0.2", "train.cutmix_alpha=1.0"]),
+]
+FASHION_ALONE = [
+    ("today's defaults", []),
+    ("EMA of the weights (0.999)", ["train.ema_decay=0.999"]),
+    ("MixUp 0.2 / CutMix 1.0", ["train.mixup_alpha=0.2", "train.cutmix_alpha=1.0"]),
 ]
 FOLDER_KEYS = ["data.dataset=imagefolder", "data.image_size=64", "data.val_fraction=0.1", "data.test_fraction=0.2"]
 
@@ -106,12 +120,13 @@ def epoch_seconds(tmp: Path, data: list[str], keys: list[str]) -> float:
     return min(float(row.split(",")[column]) for row in rows[1:])
 
 
-def ablation(kind: str, rows: list[tuple[str, list[str]]], data: list[str], epochs: int, seeds: int) -> list[dict]:
+def ablation(kind: str, rows: list[tuple[str, list[str]]], data: list[str], epochs: int, seeds: int,
+             alone: bool = False) -> list[dict]:
     cumulative, records = [], []
     with temp_dir(f"recipe-{kind}-") as tmp:
         steps = []
         for name, keys in rows:
-            cumulative = [*cumulative, *keys]
+            cumulative = keys if alone else [*cumulative, *keys]
             steps.append((name, cumulative, epoch_seconds(tmp / f"calibrate-{len(steps)}", data, cumulative)))
             print(f"{name}: {steps[-1][2]:.2f} s/epoch", flush=True)
         budget = epochs * steps[0][2]
@@ -119,7 +134,8 @@ def ablation(kind: str, rows: list[tuple[str, list[str]]], data: list[str], epoc
             row_epochs = max(1, round(budget / per_epoch))
             for seed in range(seeds):
                 r = one_run(tmp / f"row{i}-s{seed}", data, keys, row_epochs, seed)
-                r.update(kind=kind, row=name, keys=keys, seconds_per_epoch=per_epoch, budget_s=round(budget, 1))
+                r.update(kind=kind, row=name, keys=keys, seconds_per_epoch=per_epoch, budget_s=round(budget, 1),
+                         alone=alone)
                 records.append(r)
                 print(f"{name} seed {seed}: {row_epochs} epochs, test accuracy {r['test_accuracy']:.4f}, "
                       f"train {r['train_seconds']:.0f} s", flush=True)
@@ -127,16 +143,18 @@ def ablation(kind: str, rows: list[tuple[str, list[str]]], data: list[str], epoc
     return records
 
 
-def table(records: list[dict]) -> str:
+def table(records: list[dict], alone: bool = False) -> str:
     rows = []
     for name in dict.fromkeys(r["row"] for r in records):
         mine = [r for r in records if r["row"] == name]
         accs = [r["test_accuracy"] for r in mine]
         std = statistics.stdev(accs) if len(accs) > 1 else 0.0
-        rows.append([name, mine[0]["epochs"], f"{statistics.mean(r['train_seconds'] for r in mine):.0f}",
-                     f"{statistics.mean(accs):.4f} ± {std:.4f}", len(accs)])
-    return markdown_table(["step (cumulative)", "epochs", "train s (mean)", "test accuracy (mean ± std)", "seeds"],
-                          rows)
+        rows.append([name, f"{mine[0]['seconds_per_epoch']:.2f}", mine[0]["epochs"],
+                     f"{statistics.mean(r['train_seconds'] for r in mine):.0f}",
+                     f"{statistics.mean(accs):.4f} ± {std:.4f}",
+                     " ".join(f"{a:.4f}" for a in accs)])
+    return markdown_table([f"step ({'alone' if alone else 'cumulative'})", "s/epoch", "epochs", "train s (mean)",
+                           "test accuracy (mean ± std)", "each seed"], rows)
 
 
 def recall(record: dict) -> dict[str, float]:
@@ -178,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--images", type=int, default=3000)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=None, help="the first row's epochs (folder 30, fashion 10)")
+    parser.add_argument("--alone", action="store_true", help="each step alone on the defaults")
     args = parser.parse_args(argv)
     print_machine()
     if args.kind == "imbalance":
@@ -185,11 +204,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.kind == "folder":
         prepared, data = prepared_folder(f"recipe-folder-{args.images}", args.images)
-        records = ablation("folder", FOLDER_ROWS, [*data, f"paths.prepared={prepared}"], args.epochs or 30,
-                           args.seeds)
+        records = ablation("folder", FOLDER_ALONE if args.alone else FOLDER_ROWS,
+                           [*data, f"paths.prepared={prepared}"], args.epochs or 30, args.seeds, args.alone)
     else:
-        records = ablation("fashion", FASHION_ROWS, [], args.epochs or 10, args.seeds)
-    print(table(records))
+        records = ablation("fashion", FASHION_ALONE if args.alone else FASHION_ROWS, [], args.epochs or 10,
+                           args.seeds, args.alone)
+    print(table(records, args.alone))
 
 
 if __name__ == "__main__":

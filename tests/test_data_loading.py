@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import BatchSampler, DistributedSampler
 
 from ddpipe.config.loading import load_config
-from ddpipe.config.schema import ConfigError, DataConfig
+from ddpipe.config.schema import ConfigError
 from ddpipe.data.loading import BatchKey, Splits, TrainingData, TrainOrder, eval_batches, real_sample_mask
 from ddpipe.data.store import load_meta
 from ddpipe.data.transforms import BatchTransform, EvalCrop, TrainCrop, decode
@@ -92,16 +92,6 @@ def test_random_resized_crops_are_keyed_by_seed_epoch_and_index() -> None:
     assert centre.shape == (3, 64, 64) and torch.equal(centre, EvalCrop(64)(image.clone()))
 
 
-def test_the_squash_view_keeps_what_lies_off_the_centre_of_an_oblong_image() -> None:
-    image = torch.zeros(3, 100, 300, dtype=torch.uint8)
-    image[:, :, 270:] = 255  # an object at the right edge, outside the centre square
-    assert EvalCrop(32, 1.0)(image).max() == 0
-    squashed = EvalCrop(32, 1.0, "squash")(image)  # the whole 100 x 300 image to 32 x 32: its last tenth bright
-    assert squashed.shape == (3, 32, 32) and squashed[:, :, -2:].min() == 255 and squashed[:, :, :28].max() == 0
-    inner = EvalCrop(32, 0.8, "squash")(image)  # the centre 80 x 240: columns 30-269, the object cut away
-    assert inner.max() == 0
-
-
 @pytest.fixture(scope="module")
 def encoded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return prepare_generated_folder(tmp_path_factory.mktemp("enc"), 90, 0.2)
@@ -165,15 +155,13 @@ def test_input_size_follows_the_encoding(encoded: Path) -> None:
     with pytest.raises(ConfigError, match="data.image_size = 32 is not accepted for the prepared raw images of 28x28"):
         input_size(raw, 32)
     # the evaluation view: encoded images at data.eval_image_size (FixRes), raw ones as stored
-    assert eval_input_size(meta, DataConfig(eval_image_size=80), [64, 64]) == [80, 80]
-    assert eval_input_size(meta, DataConfig(eval_crop_ratio=1.0, eval_crop_mode="squash"), [64, 64]) == [64, 64]
-    assert eval_input_size(raw, DataConfig(), [28, 28]) == [28, 28]
+    assert eval_input_size(meta, 80, 0.875, [64, 64]) == [80, 80]
+    assert eval_input_size(meta, None, 1.0, [64, 64]) == [64, 64]
+    assert eval_input_size(raw, None, 0.875, [28, 28]) == [28, 28]
     with pytest.raises(ConfigError, match="data.eval_image_size = 32 is not accepted for the prepared raw images"):
-        eval_input_size(raw, DataConfig(eval_image_size=32), [28, 28])
+        eval_input_size(raw, 32, 0.875, [28, 28])
     with pytest.raises(ConfigError, match="data.eval_crop_ratio = 0.9 is not accepted for prepared raw images"):
-        eval_input_size(raw, DataConfig(eval_crop_ratio=0.9), [28, 28])
-    with pytest.raises(ConfigError, match="data.eval_crop_mode = 'squash' is not accepted for prepared raw images"):
-        eval_input_size(raw, DataConfig(eval_crop_mode="squash"), [28, 28])
+        eval_input_size(raw, None, 0.9, [28, 28])
     splits = Splits(encoded, meta, ("val",), [32, 32], eval_crop=EvalCrop(40, 1.0))
     first = decode(splits.stored["val"].blob(0), 3)
     assert torch.equal(splits.__getitems__(BatchKey("val", None, torch.arange(2)))[0][0], EvalCrop(40, 1.0)(first))

@@ -238,15 +238,13 @@ def test_eval_flips_average_the_mirror_images_logits(tmp_path: Path) -> None:
 def test_a_model_of_encoded_images_takes_any_size_and_predicts_as_evaluated(tmp_path: Path) -> None:
     """Trained on a folder of JPEG/PNG files of many sizes: the logged model takes each test image as a client
     has it (decoded, at its own size, one request each) and answers what the evaluate stage measured; its
-    input goes through the evaluation crop of validation and the evaluate stage, at the evaluation size, crop
-    and shape (FixRes: larger than trained; the whole image squashed), and its weights are the ones exported,
-    perhaps their moving average."""
+    input goes through the evaluation crop of validation and the evaluate stage, at the evaluation size and crop
+    (FixRes: larger than trained), and its weights are the ones exported, perhaps their moving average."""
     src = generate(tmp_path / "imgs", 120, 3)
     args = args_for(tmp_path, tmp_path / "prepared", "num_epochs=1", "data.dataset=imagefolder",
                     f"data.source_dir={src}", "data.image_size=40", "train.batch_size_per_rank=16",
                     "data.val_fraction=0.2", "data.test_fraction=0.2", "model.name=resnet_compact",
-                    "train.hflip=true", "data.eval_image_size=48", "data.eval_crop_ratio=0.95",
-                    "data.eval_crop_mode=squash", "train.ema_decay=0.8")
+                    "train.hflip=true", "data.eval_image_size=48", "data.eval_crop_ratio=0.95", "train.ema_decay=0.8")
     run(["python", "stages/prepare.py", *args])
     run(["python", "stages/train.py", *args])
     run(["python", "stages/evaluate.py", *args])
@@ -267,7 +265,7 @@ def test_a_model_of_encoded_images_takes_any_size_and_predicts_as_evaluated(tmp_
     classifier = ImageClassifier.load(tmp_path / "model.pt")
     assert classifier.encoding == "encoded" and classifier.image_size == (48, 48)
     image = decode(test.blob(0), 3)
-    assert torch.equal(classifier.to_batch(image.numpy()[None])[0], EvalCrop(48, 0.95, "squash")(image))
+    assert torch.equal(classifier.to_batch(image.numpy()[None])[0], EvalCrop(48, 0.95)(image))
     exported = json.loads((tmp_path / "train.json").read_text())["train"]["exported_ema"]
     print("exported:", "the weight average" if exported else "the raw weights")
     assert load_model(tmp_path / "model.pt")[1].exported_weights == ("ema" if exported else "raw")

@@ -52,8 +52,7 @@ def fingerprint(trajectory: dict[str, Any]) -> str:
 ADDED_LATER: dict[str, Any] = {
     "model.weights": None, "train.body_lr_ratio": 1.0, "train.freeze_body_epochs": "0",
     # the recipe's keys (training.py's loss, ddpipe.ema, ddpipe.data.augment, ddpipe.data.sampling)
-    "data.eval_image_size": None, "data.eval_crop_ratio": 0.875, "data.eval_crop_mode": "center",
-    "train.class_weights": "none",
+    "data.eval_image_size": None, "data.eval_crop_ratio": 0.875, "train.class_weights": "none",
     "train.sampler": "uniform", "train.ema_decay": None, "train.wd_norm_bias": True, "train.auto_augment": "none",
     "train.randaugment_ops": 2, "train.randaugment_magnitude": 9, "train.random_erasing": 0.0,
     "train.mixup_alpha": 0.0, "train.cutmix_alpha": 0.0, "train.mix_prob": 1.0, "train.mix_switch_prob": 0.5,

@@ -50,8 +50,7 @@ class ImageClassifier:
         self.exported_epoch = saved.exported_epoch
         self.flips = saved.model.eval_flips
         self.encoding = saved.encoding
-        # encoded: validation's very crop
-        self.eval_crop = EvalCrop(self.image_size[0], saved.eval_crop_ratio, saved.eval_crop_mode)
+        self.eval_crop = EvalCrop(self.image_size[0], saved.eval_crop_ratio)  # encoded: validation's very crop
         # crop padding 0, no flips: evaluation's transform, never the training augmentation
         self.normalise = BatchTransform(saved.mean, saved.std, 0, False, 0, self.device, False)
 

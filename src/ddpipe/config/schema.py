@@ -92,12 +92,6 @@ class DataConfig:
         EVAL_CROP_RATIO, "Encoded images: the evaluation crop's side as a share of the shorter side (0.875: "
         "Resize(256) + CenterCrop(224)); 1.0 keeps the whole shorter side.", gt=0.0, le=1.0,
     )
-    eval_crop_mode: str = param(
-        "center", "Encoded images: the evaluation view's shape (timm's crop_mode). center: the centre square of "
-        "eval_crop_ratio of the shorter side, aspect kept; squash: the whole image resized to a square, aspect not "
-        "kept, then eval_crop_ratio of each side, so an object off the centre of an oblong image stays in view.",
-        choices=("center", "squash"),
-    )
     num_workers: str = param(
         "auto", "DataLoader worker processes per rank that decode and augment (persistent, prefetching). auto: 0 "
         "for raw data (a batch is one gather), else the rank's share of this host's cores (less one on CUDA, "

@@ -7,8 +7,7 @@ scripts: for training a random-resized crop (``train.min_crop_scale`` to all of 
 4/3) to ``data.image_size`` plus a flip (:class:`TrainCrop`); for validation, the test split and the
 served model the centre square of ``data.eval_crop_ratio`` of the shorter side (0.875 by default), resized to
 ``data.eval_image_size`` (by default ``data.image_size``; FixRes: larger) (:class:`EvalCrop`: Resize(256) +
-CenterCrop(224), in one resampling), or with ``data.eval_crop_mode: squash`` the whole image resized to a square
-first (timm's crop_mode), so that nothing off the centre of an oblong image is cut away. Images stay uint8 until
+CenterCrop(224), in one resampling). Images stay uint8 until
 :class:`BatchTransform` normalises them on the device.
 
 Every random choice is a function of (seed, epoch, sample index), never of a generator's position: the
@@ -143,21 +142,12 @@ class TrainCrop:
         return crop.flip(-1) if self.hflip and rng.random() < 0.5 else crop
 
 
-def squash_box(height: int, width: int, ratio: float) -> tuple[int, int, int, int]:
-    """The centre ``ratio`` of each side: once the whole image is squashed to a square, its centre square."""
-    h, w = max(1, round(height * ratio)), max(1, round(width * ratio))
-    return (height - h) // 2, (width - w) // 2, h, w
-
-
 class EvalCrop:
-    """Evaluation view of one image of any size, resized to ``size`` in one resampling: the centre square of
-    ``ratio`` of its shorter side (``mode="center"``), or the centre ``ratio`` of each side, aspect not kept
-    (``"squash"``: timm's Resize((s, s)) + CenterCrop). Validation, the evaluate stage and the served model all
-    use this."""
+    """Evaluation view of one image of any size: the centre square of ``ratio`` of its shorter side, resized to
+    ``size`` (validation, the evaluate stage and the served model all use this)."""
 
-    def __init__(self, size: int, ratio: float = EVAL_CROP_RATIO, mode: str = "center") -> None:
-        self.size, self.ratio, self.mode = size, ratio, mode
+    def __init__(self, size: int, ratio: float = EVAL_CROP_RATIO) -> None:
+        self.size, self.ratio = size, ratio
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
-        box = squash_box if self.mode == "squash" else centre_box
-        return crop_resize(image, box(image.shape[1], image.shape[2], self.ratio), self.size)
+        return crop_resize(image, centre_box(image.shape[1], image.shape[2], self.ratio), self.size)

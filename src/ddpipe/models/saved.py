@@ -51,7 +51,6 @@ class SavedModel:
     encoding: str  # how a client's image becomes that input: raw (resized) or encoded (centre crop, resize)
     exported_epoch: int | None
     eval_crop_ratio: float = EVAL_CROP_RATIO  # encoded: the centre crop's share of the shorter side
-    eval_crop_mode: str = "center"  # encoded: center (aspect kept) or squash (ddpipe.data.transforms.EvalCrop)
     exported_weights: str = "raw"  # raw, or ema: the moving average of the weights (ddpipe.ema)
 
     @classmethod
@@ -66,7 +65,6 @@ class SavedModel:
                    exported_epoch=payload.get("exported_epoch"),
                    # models saved before these keys: the fixed crop of that time, raw weights
                    eval_crop_ratio=float(payload.get("eval_crop_ratio", EVAL_CROP_RATIO)),
-                   eval_crop_mode=str(payload.get("eval_crop_mode", "center")),
                    exported_weights=str(payload.get("exported_weights", "raw")))
 
 

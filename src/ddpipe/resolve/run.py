@@ -21,7 +21,6 @@ from ddpipe.config.schema import (
     RENAMED,
     Config,
     ConfigError,
-    DataConfig,
     DistributedConfig,
     ModelConfig,
     TrainConfig,
@@ -132,7 +131,7 @@ def resolve(cfg: Config, device: torch.device, meta: Prepared | None = None) -> 
     return Resolved(
         cfg=cfg, device=device, meta=meta, model_name=name if cfg.model.name == "auto" else cfg.model.name,
         model_was_auto=cfg.model.name == "auto", device_kind=device_kind(device), input_size=size,
-        eval_size=eval_input_size(meta, cfg.data, size),
+        eval_size=eval_input_size(meta, cfg.data.eval_image_size, cfg.data.eval_crop_ratio, size),
         batch_size_per_rank=batch if tc.batch_size_per_rank == "auto" else int(tc.batch_size_per_rank),
         eval_batch_size_per_rank=eval_batch_size(tc, device, size[0]), precision=precision,
         channels_last=use_channels_last(tc.channels_last, device, precision),
@@ -167,24 +166,20 @@ def input_size(meta: Prepared, image_size: int | None) -> list[int]:
     return stored
 
 
-def eval_input_size(meta: Prepared, data: DataConfig, size: list[int]) -> list[int]:
-    """[H, W] of the evaluation view: encoded images' crop resized to ``data.eval_image_size`` (null: the training
-    size ``size``); raw images are evaluated as stored, so none of the evaluation view's keys may ask otherwise
-    there."""
+def eval_input_size(meta: Prepared, eval_image_size: int | None, crop_ratio: float, size: list[int]) -> list[int]:
+    """[H, W] of the evaluation view: encoded images' centre crop resized to ``data.eval_image_size`` (null: the
+    training size ``size``); raw images are evaluated as stored, so neither key may ask otherwise there."""
     if meta.encoding == "encoded":
-        side = data.eval_image_size or size[0]
+        side = eval_image_size or size[0]
         return [side, side]
-    eval_size = data.eval_image_size
-    if eval_size is not None and [eval_size, eval_size] != size:
-        raise ConfigError(f"data.eval_image_size = {eval_size} is not accepted for the prepared raw images of "
+    if eval_image_size is not None and [eval_image_size, eval_image_size] != size:
+        raise ConfigError(f"data.eval_image_size = {eval_image_size} is not accepted for the prepared raw images of "
                           f"{size[0]}x{size[1]} px (evaluated as stored); accepted: null, or prepare them with "
                           "data.encoding=encoded")
-    for key, value, default in (("eval_crop_ratio", data.eval_crop_ratio, EVAL_CROP_RATIO),
-                                ("eval_crop_mode", data.eval_crop_mode, "center")):
-        if value != default:
-            raise ConfigError(f"data.{key} = {value!r} is not accepted for prepared raw images (evaluated whole, "
-                              f"uncropped); accepted: {default!r} (the default), or prepare them with "
-                              "data.encoding=encoded")
+    if crop_ratio != EVAL_CROP_RATIO:
+        raise ConfigError(f"data.eval_crop_ratio = {crop_ratio} is not accepted for prepared raw images (evaluated "
+                          f"whole, uncropped); accepted: {EVAL_CROP_RATIO} (the default), or prepare them with "
+                          "data.encoding=encoded")
     return size
 
 
