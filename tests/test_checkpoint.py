@@ -152,21 +152,24 @@ def test_the_fingerprint_of_a_configuration_stays_what_it_was() -> None:
     computes for this input since the world size and per-rank batch gave way to the global batch and
     effective lr (a run resumes at another world size) and the data store's meta.json grew its encoding (it
     was 7ea22602640c before: those runs' data is in another format and must be prepared again). Keys added since
-(model.weights, fine-tuning) leave it unchanged at their defaults (checkpoint.ADDED_LATER)."""
+    (model.weights, fine-tuning) leave it unchanged at their defaults (checkpoint.ADDED_LATER), and so do the
+    recipe's ``auto`` keys, which the run fingerprints as resolved (raw data: the values they had before)."""
     from dataclasses import asdict
 
     from ddpipe.config.keys import trajectory
-    from ddpipe.config.loading import load_config
     from ddpipe.config.schema import Config
     from ddpipe.data.store import Prepared
+    from ddpipe.resolve.run import resolve
 
     data = Prepared(dataset="fashion_mnist", classes=["a", "b"], num_channels=1, encoding="raw", image_size=[28, 28],
                     max_side=None, mean=[0.25], std=[0.5], sizes={"train": 100, "val": 10, "test": 10})
-    assert ckpt.run_fingerprint(trajectory(Config()), 256, 0.0042, asdict(data)) == "94158c15c28b"
-    finetuned = load_config(["model.weights=pretrained/a.pt"], params_file=None)  # a key added since, set: a new run
-    assert ckpt.run_fingerprint(trajectory(finetuned), 256, 0.0042, asdict(data)) != "94158c15c28b"
-    same_run = {**trajectory(Config()), "train.batch_size_per_rank": "64"}  # 4 x 64 where it was 2 x 128
+    # as the trainer makes it (Resolved.trajectory), with model.name as the literal was first computed: auto
+    keys = {**resolve(Config(), torch.device("cpu"), data).trajectory(), "model.name": "auto"}
+    assert ckpt.run_fingerprint(keys, 256, 0.0042, asdict(data)) == "94158c15c28b"
+    finetuned = {**keys, "model.weights": "pretrained/a.pt"}  # a key added since, set: a new run
+    assert ckpt.run_fingerprint(finetuned, 256, 0.0042, asdict(data)) != "94158c15c28b"
+    same_run = {**keys, "train.batch_size_per_rank": "64"}  # 4 x 64 where it was 2 x 128
     assert ckpt.run_fingerprint(same_run, 256, 0.0042, asdict(data)) == \
-        ckpt.run_fingerprint(trajectory(Config()), 256, 0.0042, asdict(data))
+        ckpt.run_fingerprint(keys, 256, 0.0042, asdict(data))
     assert ckpt.run_fingerprint(trajectory(Config()), 128, 0.0042, asdict(data)) != \
         ckpt.run_fingerprint(trajectory(Config()), 256, 0.0042, asdict(data))

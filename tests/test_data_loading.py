@@ -18,7 +18,7 @@ from ddpipe.data.loading import BatchKey, Splits, TrainingData, TrainOrder, eval
 from ddpipe.data.store import load_meta
 from ddpipe.data.transforms import BatchTransform, EvalCrop, TrainCrop, decode
 from ddpipe.devices import Compute
-from ddpipe.resolve.run import eval_input_size, input_size, resolve
+from ddpipe.resolve.run import RECIPE_PRESETS, eval_input_size, input_size, resolve
 from tests.conftest import prepare_generated_folder
 
 CPU = torch.device("cpu")
@@ -154,14 +154,43 @@ def test_input_size_follows_the_encoding(encoded: Path) -> None:
     assert input_size(raw, None) == [28, 28] and input_size(raw, 28) == [28, 28]
     with pytest.raises(ConfigError, match="data.image_size = 32 is not accepted for the prepared raw images of 28x28"):
         input_size(raw, 32)
-    # the evaluation view: encoded images at data.eval_image_size (FixRes), raw ones as stored
-    assert eval_input_size(meta, 80, 0.875, [64, 64]) == [80, 80]
-    assert eval_input_size(meta, None, 1.0, [64, 64]) == [64, 64]
-    assert eval_input_size(raw, None, 0.875, [28, 28]) == [28, 28]
+    # the evaluation view: encoded images at data.eval_image_size (FixRes; auto: the preset's share), raw as stored
+    preset, raw_preset = RECIPE_PRESETS["encoded"], RECIPE_PRESETS["raw"]
+    assert eval_input_size(meta, "80", 0.875, [64, 64], preset) == [80, 80]
+    assert eval_input_size(meta, None, 1.0, [64, 64], preset) == [64, 64]
+    assert eval_input_size(meta, "auto", 1.0, [64, 64], preset) == [72, 72]
+    assert eval_input_size(raw, "auto", 0.875, [28, 28], raw_preset) == [28, 28]
+    assert eval_input_size(raw, None, 0.875, [28, 28], raw_preset) == [28, 28]
     with pytest.raises(ConfigError, match="data.eval_image_size = 32 is not accepted for the prepared raw images"):
-        eval_input_size(raw, 32, 0.875, [28, 28])
+        eval_input_size(raw, "32", 0.875, [28, 28], raw_preset)
     with pytest.raises(ConfigError, match="data.eval_crop_ratio = 0.9 is not accepted for prepared raw images"):
-        eval_input_size(raw, None, 0.9, [28, 28])
+        eval_input_size(raw, None, 0.9, [28, 28], raw_preset)
     splits = Splits(encoded, meta, ("val",), [32, 32], eval_crop=EvalCrop(40, 1.0))
     first = decode(splits.stored["val"].blob(0), 3)
     assert torch.equal(splits.__getitems__(BatchKey("val", None, torch.arange(2)))[0][0], EvalCrop(40, 1.0)(first))
+
+
+def test_the_recipes_auto_keys_take_the_preset_of_the_inputs_kind(encoded: Path, prepared: Path) -> None:
+    """data.eval_image_size, data.eval_crop_ratio and train.min_crop_scale: auto is RECIPE_PRESETS' row for the
+    prepared data's encoding, a number is kept, and the run records (MLflow params) and fingerprints the values."""
+    run = resolve(load_config([f"paths.prepared={encoded}", "data.image_size=64"], params_file=None), CPU)
+    assert (run.eval_size, run.eval_crop_ratio, run.min_crop_scale) == ([72, 72], 1.0, 0.35)
+    assert {k: run.params()[k] for k in ("data.eval_image_size", "data.eval_crop_ratio", "train.min_crop_scale")} \
+        == {"data.eval_image_size": 72, "data.eval_crop_ratio": 1.0, "train.min_crop_scale": 0.35}
+    imagenet = ["data.eval_crop_ratio=0.875", "train.min_crop_scale=0.08", "data.eval_image_size=null"]
+    kept = resolve(load_config([f"paths.prepared={encoded}", "data.image_size=64", *imagenet], params_file=None), CPU)
+    assert (kept.eval_size, kept.eval_crop_ratio, kept.min_crop_scale) == ([64, 64], 0.875, 0.08)
+    # ImageNet's values fingerprint as a config written before auto did (its checkpoints still resume)
+    assert {k: kept.trajectory()[k] for k in ("data.eval_image_size", "data.eval_crop_ratio", "train.min_crop_scale")} \
+        == {"data.eval_image_size": None, "data.eval_crop_ratio": 0.875, "train.min_crop_scale": 0.08}
+    assert run.trajectory()["train.min_crop_scale"] == 0.35
+    loaded = load_config([f"paths.prepared={encoded}", "data.image_size=64", "data.eval_crop_ratio=0.95",
+                          "train.min_crop_scale=0.5", "data.eval_image_size=80"], params_file=None)
+    mine = resolve(loaded, CPU)
+    assert (mine.eval_size, mine.eval_crop_ratio, mine.min_crop_scale) == ([80, 80], 0.95, 0.5)
+    raw = resolve(load_config([f"paths.prepared={prepared}"]), CPU)  # params.yaml: all three auto
+    assert (raw.eval_size, raw.eval_crop_ratio, raw.min_crop_scale) == ([28, 28], 0.875, 0.08)
+    for key, value in (("data.eval_crop_ratio", "1.5"), ("train.min_crop_scale", "0"), ("data.eval_crop_ratio", "big")):
+        with pytest.raises(ConfigError, match=rf"{key} = '{value}' is not accepted; expected a number > 0.0 and "
+                                              r"<= 1.0 or auto"):
+            load_config([f"{key}={value}"])

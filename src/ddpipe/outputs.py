@@ -40,7 +40,7 @@ def save_outputs(run: Resolved, outputs: TrainingOutputs, tracker: NullTracker, 
     cfg, paths = run.cfg, run.cfg.paths
     save_model(outputs.weights, run.model, asdict(outputs.data), paths.model,
                extra={"exported_epoch": outputs.exported_epoch, "exported_weights": outputs.exported_weights,
-                      "eval_crop_ratio": cfg.data.eval_crop_ratio})
+                      "eval_crop_ratio": run.eval_crop_ratio})
     atomic_write_json(paths.train_metrics, {"train": outputs.metrics})
     atomic_write_text(paths.history, history_csv(outputs.history))
     atomic_write_json(paths.run_info, {"run_id": tracker.store_id() or "", "tracking_uri": redact(tracker.uri)})

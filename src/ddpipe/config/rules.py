@@ -27,10 +27,12 @@ def accepted(f: dataclasses.Field) -> str:
         low = rules.get("ge", 1)
         words = ("a positive integer" if low == 1 else f"an integer >= {low}") + " or " + " or ".join(rules["int_or"])
     else:
-        words = _TYPE_WORDS[get_args(f.type)[0] if optional else f.type]
+        words = "a number" if "num_or" in rules else _TYPE_WORDS[get_args(f.type)[0] if optional else f.type]
         bounds = [f"{sign} {rules[name]}" for name, (sign, _) in _BOUNDS.items() if name in rules]
         if bounds:
             words += " " + " and ".join(bounds)
+        if "num_or" in rules:
+            words += " or " + " or ".join(rules["num_or"])
     return words + (" (or null)" if optional else "")
 
 
@@ -45,6 +47,13 @@ def accepts(f: dataclasses.Field, value: Any) -> bool:
         return value in rules["choices"]
     if "int_or" in rules:
         return value in rules["int_or"] or (str(value).isdigit() and int(value) >= rules.get("ge", 1))
+    if "num_or" in rules:
+        if value in rules["num_or"]:
+            return True
+        try:
+            value = float(value)
+        except ValueError:
+            return False
     if isinstance(value, float) and not math.isfinite(value):
         return False
     return all(holds(value, rules[name]) for name, (_, holds) in _BOUNDS.items() if name in rules)

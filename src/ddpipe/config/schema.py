@@ -19,14 +19,16 @@ class ConfigError(ValueError):
 def param(
     default: Any, doc: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
     lt: float | None = None, choices: tuple[str, ...] | None = None, int_or: tuple[str, ...] | None = None,
-    words: str | None = None, trajectory: bool = True,
+    num_or: tuple[str, ...] | None = None, words: str | None = None, trajectory: bool = True,
 ) -> Any:
     """A schema field: its default and a one-line doc; what it accepts beyond its type (bounds
     ``ge``/``gt``/``le``/``lt``, ``choices``, ``int_or``: an integer (>= ``ge``, else >= 1) or one of these
-    words, or ``words``: what a key checked in :func:`~ddpipe.config.checks.validate` accepts, in words); and
+    words, ``num_or``: a number within the bounds or one of these words, or ``words``: what a key checked in
+    :func:`~ddpipe.config.checks.validate` accepts, in words); and
     whether it shapes the training trajectory (``trajectory=False``: a run may resume from a checkpoint written
     before a change to it)."""
-    rules = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "int_or": int_or, "words": words}
+    rules = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "int_or": int_or, "num_or": num_or,
+             "words": words}
     rules = {name: rule for name, rule in rules.items() if rule is not None}
     return field(default=default, metadata={"doc": doc, "trajectory": trajectory, **rules})
 
@@ -83,14 +85,17 @@ class DataConfig:
         None, "Side of the square the network sees. Encoded images: training random-resized crops and evaluation "
         "centre crops of this size (null = 224). Raw images: their stored size (null, or that size).", ge=8,
     )
-    eval_image_size: Optional[int] = param(
-        None, "Encoded images: the side validation, the test split and the served model resize their centre crop "
-        "to (null = image_size). Larger than image_size evaluates at a higher resolution than trained (FixRes: "
-        "random-resized crops make objects look larger in training than in a centre crop of the same size).", ge=8,
+    eval_image_size: Optional[str] = param(
+        "auto", "Encoded images: the side validation, the test split and the served model resize their centre crop "
+        "to. Larger than image_size evaluates at a higher resolution than trained (FixRes: random-resized crops "
+        "make objects look larger in training than in a centre crop of the same size). auto: the preset's share "
+        "of image_size (ddpipe.resolve.run.RECIPE_PRESETS; 9/8 for encoded images: 72 px for 64); null: image_size.",
+        int_or=("auto",), ge=8,
     )
-    eval_crop_ratio: float = param(
-        EVAL_CROP_RATIO, "Encoded images: the evaluation crop's side as a share of the shorter side (0.875: "
-        "Resize(256) + CenterCrop(224)); 1.0 keeps the whole shorter side.", gt=0.0, le=1.0,
+    eval_crop_ratio: str = param(
+        "auto", "Encoded images: the evaluation crop's side as a share of the shorter side (0.875: Resize(256) + "
+        "CenterCrop(224); 1.0 keeps the whole shorter side). auto: the preset's (ddpipe.resolve.run.RECIPE_PRESETS; "
+        "1.0 for encoded images).", num_or=("auto",), gt=0.0, le=1.0,
     )
     num_workers: str = param(
         "auto", "DataLoader worker processes per rank that decode and augment (persistent, prefetching). auto: 0 "
@@ -214,9 +219,10 @@ class TrainConfig:
     compile: bool = param(False, "Wrap the model in torch.compile.")
     random_crop_padding: int = param(
         2, "Raw images' augmentation: pad by this many pixels, then crop back (0 = off).", ge=0)
-    min_crop_scale: float = param(
-        0.08, "Encoded images' augmentation (random-resized crop, the ImageNet recipe): the smallest share of the "
-        "image's area a crop covers.", gt=0.0, le=1.0,
+    min_crop_scale: str = param(
+        "auto", "Encoded images' augmentation (random-resized crop, the ImageNet recipe): the smallest share of the "
+        "image's area a crop covers (ImageNet's 0.08). auto: the preset's (ddpipe.resolve.run.RECIPE_PRESETS; 0.35 "
+        "for encoded images).", num_or=("auto",), gt=0.0, le=1.0,
     )
     hflip: bool = param(True, "Augmentation: random horizontal flips (turn off for digits).")
     checkpoint_every_steps: int = param(

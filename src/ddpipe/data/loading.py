@@ -222,10 +222,10 @@ class TrainingData:
         ``run``'s input size and batch and augmented as ``data`` and ``train`` say, onto ``compute``'s device."""
         cfg, size, tc = run.cfg, run.input_size, run.cfg.train
         raw = meta.encoding == "raw"
-        crop = None if raw else TrainCrop(size[0], tc.min_crop_scale, tc.hflip, cfg.seed)
+        crop = None if raw else TrainCrop(size[0], run.min_crop_scale, tc.hflip, cfg.seed)
         policy = ImagePolicy.from_config(tc, meta.mean, cfg.seed)
         splits = Splits(cfg.paths.prepared, meta, ("train", "val"), size, crop, policy,
-                        EvalCrop(run.eval_size[0], cfg.data.eval_crop_ratio))
+                        EvalCrop(run.eval_size[0], run.eval_crop_ratio))
         transform = BatchTransform(meta.mean, meta.std, tc.random_crop_padding if raw else 0, tc.hflip and raw,
                                    cfg.seed, compute.device, compute.channels_last)
         n = meta.sizes["train"]
