@@ -131,7 +131,7 @@ def ablation(kind: str, rows: list[tuple[str, list[str]]], data: list[str], epoc
         for name, keys in rows:
             cumulative = keys if alone else [*cumulative, *keys]
             steps.append((name, cumulative, epoch_seconds(tmp / f"calibrate-{len(steps)}", data, cumulative)))
-        # a second pass, each row's faster kept: the first run of a session measured up to 17% slow (caches)
+        # a second pass, each row's faster kept: one pass measured a row 17% slow while another process ended
         for i, (name, keys, first) in enumerate(steps):
             again = epoch_seconds(tmp / f"calibrate-{i}-again", data, keys)
             steps[i] = (name, keys, min(first, again))
