@@ -220,9 +220,9 @@ def eval_input_size(meta: Prepared, eval_image_size: str | None, crop_ratio: flo
         raise ConfigError(f"data.eval_image_size = {eval_image_size} is not accepted for the prepared raw images of "
                           f"{size[0]}x{size[1]} px (evaluated as stored); accepted: auto or null, or prepare them "
                           "with data.encoding=encoded")
-    if crop_ratio != EVAL_CROP_RATIO:
+    if crop_ratio != preset.eval_crop_ratio:
         raise ConfigError(f"data.eval_crop_ratio = {crop_ratio} is not accepted for prepared raw images (evaluated "
-                          f"whole, uncropped); accepted: auto or {EVAL_CROP_RATIO}, or prepare them with "
+                          f"whole, uncropped); accepted: auto or {preset.eval_crop_ratio}, or prepare them with "
                           "data.encoding=encoded")
     return size
 
