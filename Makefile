@@ -60,7 +60,7 @@ ssh-deps:
 		(apt-get update -q && apt-get install -y -q openssh-server) || echo "warning: could not install openssh-server"; \
 	else echo "note: sshd missing and apt-get unavailable (or not root); the SSH remote test will skip"; fi
 
-# A team's tracking server on this host: PostgreSQL + mlflow server with users (deploy/README.md). The admin's
+# A team's tracking server on this host: PostgreSQL + mlflow server with users (docs/tracking.md). The admin's
 # password comes from MLFLOW_AUTH_ADMIN_PASSWORD (or TRACKING_SERVER_ARGS=--admin-password-file FILE).
 TRACKING_SERVER_ARGS ?= --dir tracking-server --host 127.0.0.1 --port 5000
 tracking-server: setup server-deps

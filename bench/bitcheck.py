@@ -80,6 +80,7 @@ def _model(path: Path) -> dict[str, Any]:
 
     payload = torch.load(path, map_location="cpu", weights_only=True)
     state = payload.pop("state_dict")
+    payload.pop("format_version", None)  # a file's format is no behaviour: a recording from before it compares equal
     return {"tensors": {k: _sha(v.contiguous().numpy().tobytes()) for k, v in sorted(state.items())},
             "fields": json.loads(json.dumps(payload, default=str, sort_keys=True))}
 
@@ -97,11 +98,11 @@ def _rows(path: Path) -> list[dict[str, Any]]:
 
 
 def _golden() -> str:
-    from ddpipe.checkpoint import run_fingerprint
+    from ddpipe.engine.checkpoint import run_fingerprint
 
     try:
         from ddpipe.config.keys import trajectory
-        from ddpipe.config.loading import load_config
+        from ddpipe.config.load import load_config
     except ImportError:  # a checkout from before config/ was a package
         from ddpipe.config import load_config, trajectory  # type: ignore[attr-defined,no-redef]
 

@@ -91,7 +91,7 @@ def on_slurm(repo: Path, scratch: Path) -> tuple[float, list[float]]:
     overheads = []
     for rec in (repo / ".dvc" / "tmp" / "cluster" / "experiments").glob("*.json"):
         r = json.loads(rec.read_text())
-        stamps = re.findall(r"ddpipe.cluster \[(\d\d:\d\d:\d\d)\]: \$ dvc exp run", Path(r["log"]).read_text())
+        stamps = re.findall(r"ddpipe.launch.cluster \[(\d\d:\d\d:\d\d)\]: \$ dvc exp run", Path(r["log"]).read_text())
         day = datetime.fromtimestamp(r["submitted"])
         started = datetime.combine(day.date(), datetime.strptime(stamps[0], "%H:%M:%S").time())
         overheads.append(started.timestamp() - r["submitted"])

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from ddpipe.config.loading import load_config
+from ddpipe.config.load import load_config
 from ddpipe.config.schema import Config
+from ddpipe.core.devices import cpu_count
 from ddpipe.data.store import load_meta
-from ddpipe.devices import cpu_count
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

@@ -38,12 +38,11 @@ from common import REPO, RESULTS, append_jsonl, clean_env, markdown_table, print
 from imageset import generate
 from omegaconf import OmegaConf
 
-from ddpipe.config.loading import load_config
-from ddpipe.data.loading import TrainingData
+from ddpipe.config.load import load_config
+from ddpipe.core.devices import PrecisionPolicy, cpu_count
 from ddpipe.data.store import load_meta, open_split
 from ddpipe.data.transforms import decode
-from ddpipe.devices import Compute, cpu_count
-from ddpipe.resolve.run import resolve
+from ddpipe.engine.resolved import resolve
 
 STAGES = ("fetch", "prepare", "train", "evaluate")
 
@@ -225,13 +224,13 @@ def loader(size: int) -> list[dict]:
                 decode(split.blob(i), meta.num_channels)
             limit = max(limit, len(split) / (time.perf_counter() - t0))
         records = []
-        compute = Compute(torch.device("cpu"), "fp32", channels_last=False)
+        compute = PrecisionPolicy(torch.device("cpu"), "fp32", channels_last=False)
         for side in (64, 224):
             read = resolve(replace(cfg, data=replace(cfg.data, image_size=side),
                                    train=replace(cfg.train, batch_size_per_rank="64"),
                                    paths=replace(cfg.paths, prepared=str(tmp / "p"))), torch.device("cpu"), meta)
             for workers in (0, 1, 2):
-                data = TrainingData.load(read, meta, compute, rank=0, world_size=1, num_workers=workers)
+                data = read.training_data(meta, compute, rank=0, world_size=1, num_workers=workers)
                 try:
                     for _ in data.train_batches(0, 0, 4):  # workers started, first batches out
                         pass

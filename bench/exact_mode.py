@@ -4,9 +4,9 @@ model, ordinary vs exact, one process, all cores.
     python bench/exact_mode.py [--batch 256] [--steps 10] [--reps 3]
     python bench/exact_mode.py --quick                       # smoke run
 
-The network is built as training builds it (``network.build_network`` from params.yaml with
-``distributed.exact`` off or on, channels_last and autocast as ``resolve.run.resolve`` chooses them), fed random
-images of Fashion-MNIST's shape (the cost does not depend on the pixels). Prints the machine and a
+The network is built as training builds it (``ddpipe.engine.assembly.build_network`` from params.yaml with
+``distributed.exact`` off or on, channels_last and autocast as ``ddpipe.engine.resolved.resolve`` chooses them),
+fed random images of Fashion-MNIST's shape (the cost does not depend on the pixels). Prints the machine and a
 Markdown table of the median milliseconds per step (min-max over ``--reps``, interleaved); appends the
 figures to ``bench/results/exact_mode.jsonl``.
 """
@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from common import append_jsonl, config, markdown_table, print_machine, summary
 
+from ddpipe.core.ranks import DistInfo
 from ddpipe.data.store import Prepared
-from ddpipe.network import build_network
-from ddpipe.ranks import DistInfo
-from ddpipe.resolve.run import resolve
+from ddpipe.engine.assembly import build_network
+from ddpipe.engine.resolved import resolve
 
 FASHION_SHAPE = Prepared("random", [str(c) for c in range(10)], 1, "raw", [28, 28], None, [0.0], [1.0], {})
 

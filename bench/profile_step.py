@@ -24,11 +24,11 @@ import torch
 from common import REPO, append_jsonl, config, markdown_table, print_machine
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from ddpipe.distributed import init_distributed
-from ddpipe.launch import this_device
-from ddpipe.metrics import EpochMeter, EpochProgress
-from ddpipe.resolve.run import resolve
-from ddpipe.training import Trainer
+from ddpipe.distributed.group import init_distributed
+from ddpipe.engine.loop import Trainer
+from ddpipe.engine.meters import EpochMeter, EpochProgress
+from ddpipe.engine.resolved import resolve
+from ddpipe.launch.torchrun import this_device
 
 LABELS = ("data: gather", "data: transform", "train_step")
 

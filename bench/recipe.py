@@ -25,7 +25,7 @@ from pathlib import Path
 from common import RESULTS, append_jsonl, markdown_table, print_machine, run_timed, temp_dir
 from imageset import generate
 
-# The encoded images' views before the recipe's preset (ddpipe.resolve.run.RECIPE_PRESETS): ImageNet's
+# The encoded images' views before the recipe's preset (ddpipe.engine.resolved.RECIPE_PRESETS): ImageNet's
 IMAGENET_VIEWS = ["data.eval_crop_ratio=0.875", "train.min_crop_scale=0.08", "data.eval_image_size=null"]
 # (row, its keys): each row adds its keys to those of the rows above it
 FOLDER_ROWS = [

@@ -32,8 +32,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision import datasets, transforms
 
-from ddpipe.batchnorm import convert_sync_batchnorm
-from ddpipe.devices import cpu_count
+from ddpipe.core.devices import cpu_count
+from ddpipe.distributed.batchnorm import convert_sync_batchnorm
 from ddpipe.models.nets import SeedCNN
 
 # pin_memory=True is what the DDP tutorials use; on a CPU-only machine torch ignores it, with a

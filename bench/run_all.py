@@ -41,10 +41,10 @@ from common import (
 )
 from omegaconf import OmegaConf
 
-from ddpipe.config.loading import load_config
+from ddpipe.config.load import load_config
 from ddpipe.config.schema import Config
-from ddpipe.devices import cpu_count, cpu_supports_bf16
-from ddpipe.launch import torchrun_command, train_script
+from ddpipe.core.devices import cpu_count, cpu_supports_bf16
+from ddpipe.launch.torchrun import torchrun_command, train_script
 
 PY = sys.executable
 REFERENCE_LOOP = REPO / "bench" / "reference_loop.py"
@@ -66,7 +66,7 @@ class Variant:
 
 
 def ddpipe_train(nproc: int | None, prepared: Path, overrides: list[str]) -> Metrics:
-    """stages/train.py under torchrun (``nproc`` processes) or plain python (``None``), every output in a
+    """stages/train_worker.py under torchrun (``nproc`` processes) or plain python (``None``), every output in a
     fresh temp dir; wall seconds and the last epoch's images/s and seconds from the history."""
     with temp_dir("ddpipe-") as tmp:
         args = [f"paths.{key}={tmp / key}" for key in OUTPUTS] + [
@@ -173,7 +173,7 @@ def time_to_accuracy(opts: argparse.Namespace) -> list[Variant]:
 
 
 def ddp_overhead(opts: argparse.Namespace) -> list[Variant]:
-    """ddpipe's defaults on 12,800 samples, 2 epochs, global batch 256: plain `python stages/train.py`
+    """ddpipe's defaults on 12,800 samples, 2 epochs, global batch 256: plain `python stages/train_worker.py`
     (no process group; baseline) against torchrun with 1 process x all cores, and 2 processes x half of
     them with and without SyncBatchNorm, and with SyncBatchNorm's and DDP's sums over gloo's sockets
     instead of shared memory (``distributed.shared_memory=false``)."""

@@ -6,7 +6,7 @@
    synchronous ``MlflowClient.log_batch`` (into the local sqlite store, and into a local ``mlflow server``);
    now, ``MlflowTracker.log_metrics`` (one line appended to the run's journal; the courier sends it).
 2. A 2-epoch training (Fashion-MNIST, 2,048 images) with its store answering, and with the store down for the
-   whole training (``http://127.0.0.1:9``): wall seconds of ``python stages/train.py``, and how long the
+   whole training (``http://127.0.0.1:9``): wall seconds of ``python stages/train_worker.py``, and how long the
    delivery takes afterwards (``python -m ddpipe.outbox deliver``).
 """
 
@@ -23,8 +23,8 @@ from pathlib import Path
 from common import REPO, clean_env, ensure_prepared, markdown_table, print_machine, run_timed, temp_dir
 
 from ddpipe.config.schema import Config, MlflowConfig
-from ddpipe.ranks import DistInfo
-from ddpipe.tracking import MlflowTracker
+from ddpipe.core.ranks import DistInfo
+from ddpipe.tracking.tracker import MlflowTracker
 
 EPOCH = {k: 0.5 for k in ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "best_val_accuracy",
                           "epoch_seconds", "images_per_s", "lr")}
@@ -89,7 +89,7 @@ def main() -> None:
         outage = []
         for label, uri in (("store answering", f"sqlite:///{tmp}/t.db"), ("store down all along", "http://127.0.0.1:9")):
             d = tmp / label.replace(" ", "-")
-            cmd = ["python", "stages/train.py", "num_epochs=2", f"paths.prepared={prepared}",
+            cmd = ["python", "stages/train_worker.py", "num_epochs=2", f"paths.prepared={prepared}",
                    f"paths.checkpoints={d}/ckpt", f"paths.model={d}/model.pt", f"paths.run_info={d}/run.json",
                    f"paths.train_metrics={d}/train.json", f"paths.history={d}/history.csv",
                    f"mlflow.outbox={d}/outbox", "train.progress_bar=false"]

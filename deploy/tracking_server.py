@@ -20,7 +20,7 @@
 
 The store's password reaches ``mlflow server`` in its environment (``MLFLOW_BACKEND_STORE_URI``) and the auth
 config file (0600), never its command line. ``start --foreground`` runs the server in this process: the form a
-service manager wants (deploy/README.md, "A team's tracking server"). Clients authenticate with MLflow's own
+service manager wants (docs/tracking.md, "A team's tracking server"). Clients authenticate with MLflow's own
 means: ``MLFLOW_TRACKING_USERNAME``/``MLFLOW_TRACKING_PASSWORD`` or ``~/.mlflow/credentials``.
 """
 
@@ -38,8 +38,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ddpipe.procs import alive
-from ddpipe.runstore import redact
+from ddpipe.core.processes import alive
+from ddpipe.tracking.store import redact
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 PERMISSIONS = ("READ", "EDIT", "MANAGE", "NO_PERMISSIONS")

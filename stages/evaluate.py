@@ -3,13 +3,13 @@
     python stages/evaluate.py [key=value ...]
 """
 
-from ddpipe.cli import execute_stage
+from ddpipe.config.command import execute_stage
 from ddpipe.config.schema import Config
 from ddpipe.data.store import PreparedDataError
 
 
 def main(cfg: Config) -> None:
-    from ddpipe.evaluation import evaluate
+    from ddpipe.engine.evaluation import evaluate
 
     test = evaluate(cfg)["test"]
     print(f"test accuracy {test['accuracy']:.4f}, loss {test['loss']:.4f}, macro-F1 {test['macro_f1']:.4f} "

@@ -9,7 +9,7 @@ checked: the prepare stage reads it where it lies.
 
 from pathlib import Path
 
-from ddpipe.cli import execute_stage
+from ddpipe.config.command import execute_stage
 from ddpipe.config.schema import Config
 from ddpipe.data.fetching import fetch
 from ddpipe.data.verify import DataSourceError

@@ -6,7 +6,7 @@
 import time
 from pathlib import Path
 
-from ddpipe.cli import execute_stage
+from ddpipe.config.command import execute_stage
 from ddpipe.config.schema import Config
 from ddpipe.data.prepare import prepare
 from ddpipe.data.store import PreparedDataError

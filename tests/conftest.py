@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from ddpipe.config.loading import load_config
+from ddpipe.config.load import load_config
 from ddpipe.config.schema import Config, DistributedConfig
-from ddpipe.launch import torchrun_command
+from ddpipe.launch.torchrun import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = ROOT / "params.yaml"

@@ -20,7 +20,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from ddpipe.procs import alive
+from ddpipe.core.processes import alive
 from tests.conftest import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")

@@ -1,5 +1,6 @@
-"""ddpipe.batchnorm: the CPU SyncBatchNorm at 2 gloo processes against torch's BatchNorm over the concatenated
-batch, for every kind of BatchNorm a user's model may hold; the conversion; plain BatchNorm outside a group.
+"""ddpipe.distributed.batchnorm: the CPU SyncBatchNorm at 2 gloo processes against torch's BatchNorm over the
+concatenated batch, for every kind of BatchNorm a user's model may hold; the conversion; plain BatchNorm
+outside a group.
 (ExactBatchNorm is tested with the rest of the world-size-exact mode in test_exact.py.)"""
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpipe import distributed as dd
-from ddpipe.batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
+from ddpipe.distributed import group as dd
+from ddpipe.distributed.batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm
 from ddpipe.models.nets import ResNetSmall
 from tests.conftest import spawn
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import signal
 import subprocess
 import time
@@ -13,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpipe import checkpoint as ckpt
-from ddpipe.ranks import DistInfo
+from ddpipe.core.ranks import DistInfo
+from ddpipe.engine import checkpoint as ckpt
 from tests.conftest import ROOT, subprocess_env
 
 
@@ -109,7 +110,7 @@ def test_sigkill_during_a_checkpoint_write_leaves_the_previous_one_loadable(tmp_
     previous = ckpt.save_checkpoint(tmp_path, fp, ckpt.Position(1, 0), {"v": torch.tensor([1.0])}, keep=3)
     writer = subprocess.Popen([
         "python", "-c",
-        "import sys, torch; from pathlib import Path; from ddpipe import checkpoint as c; "
+        "import sys, torch; from pathlib import Path; from ddpipe.engine import checkpoint as c; "
         "c.save_checkpoint(Path(sys.argv[1]), sys.argv[2], c.Position(2, 0), "
         "{'v': torch.zeros(400_000_000, dtype=torch.uint8)}, keep=3)", str(tmp_path), fp],
         cwd=ROOT, env=subprocess_env())
@@ -159,7 +160,7 @@ def test_the_fingerprint_of_a_configuration_stays_what_it_was() -> None:
     from ddpipe.config.keys import trajectory
     from ddpipe.config.schema import Config
     from ddpipe.data.store import Prepared
-    from ddpipe.resolve.run import resolve
+    from ddpipe.engine.resolved import resolve
 
     data = Prepared(dataset="fashion_mnist", classes=["a", "b"], num_channels=1, encoding="raw", image_size=[28, 28],
                     max_side=None, mean=[0.25], std=[0.5], sizes={"train": 100, "val": 10, "test": 10})
@@ -173,3 +174,78 @@ def test_the_fingerprint_of_a_configuration_stays_what_it_was() -> None:
         ckpt.run_fingerprint(keys, 256, 0.0042, asdict(data))
     assert ckpt.run_fingerprint(trajectory(Config()), 128, 0.0042, asdict(data)) != \
         ckpt.run_fingerprint(trajectory(Config()), 256, 0.0042, asdict(data))
+
+
+def _saved_before_format_versions(directory: Path, fp: str, pos: ckpt.Position, state: dict) -> Path:
+    """A checkpoint as save_checkpoint wrote it before checkpoints recorded their format (no format_version)."""
+    path = ckpt.checkpoint_path(directory, fp, pos)
+    torch.save({**state, "position": torch.tensor([pos.epoch, pos.step]), "fingerprint": fp}, path)
+    return path
+
+
+_EPOCH = {"epoch": 1, "train_loss": 0.9, "train_accuracy": 0.6, "val_loss": 0.8, "val_accuracy": 0.7, "lr": 0.01,
+          "images_per_s": 100.0, "epoch_seconds": 2.0}
+_SUMS = (12.5, 40.0, 64.0, 3.25)  # loss_sum, correct, count, seconds of an interrupted epoch
+
+
+@pytest.mark.parametrize("written", ["last before versions", "before weight averaging", "before the world size",
+                                     "before mid-epoch sums"])
+def test_a_checkpoint_written_before_format_versions_resumes_as_it_did(tmp_path: Path, written: str) -> None:
+    """Checkpoints of format 0, the trainer's values as ddpipe.engine.loop wrote them at each step before format
+    versions: the last (every entry named); before weight averaging (no sources in the selection, no average's
+    columns in the history, the epoch's sums as a float64 tensor); before the world size was recorded; before
+    mid-epoch checkpoints recorded the epoch's sums. Each resumes with what it meant."""
+    from ddpipe.config.schema import TrainConfig
+    from ddpipe.engine.meters import EpochProgress, EpochStats
+    from ddpipe.engine.selection import ModelSelection
+
+    torch.manual_seed(5)
+    model = torch.nn.Linear(4, 2)
+    best = {k: v + 1.0 for k, v in model.state_dict().items()}
+    selection = {"best_epoch": 1, "best_val_accuracy": 0.75, "best_weights": best}
+    sums = torch.tensor(_SUMS, dtype=torch.float64)
+    state = {"model": model.state_dict(), "rng": ckpt.rng_state(), "run_id": "abc123", "selection": selection,
+             "history": [_EPOCH], "epoch_progress": sums, "world_size": 2}
+    if written == "last before versions":
+        state.update(selection={**selection, "best_source": "ema", "last_source": "raw"},
+                     history=[{**_EPOCH, "ema_val_loss": 0.7, "ema_val_accuracy": 0.75}],
+                     epoch_progress=EpochProgress(*_SUMS).as_state())
+    if written in ("before the world size", "before mid-epoch sums"):
+        del state["world_size"]
+    if written == "before mid-epoch sums":
+        del state["epoch_progress"]
+    fp = "abcdef012345"
+    _saved_before_format_versions(tmp_path, fp, ckpt.Position(1, 3), state)
+
+    fresh, sel = torch.nn.Linear(4, 2), ModelSelection(TrainConfig(export="best"))
+    pos, loaded = ckpt.Checkpointer(tmp_path, fp, 2, DistInfo()).restore({"model": fresh, "selection": sel})
+    assert pos == ckpt.Position(1, 3) and loaded["run_id"] == "abc123"
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    last = written == "last before versions"
+    assert (sel.best_epoch, sel.best_val_accuracy) == (1, 0.75)
+    assert (sel.best_source, sel.last_source) == (("ema", "raw") if last else ("raw", "raw"))
+    weights, epoch, source = sel.exported(fresh, 1)
+    assert epoch == 1 and source == sel.best_source and all(torch.equal(weights[k], best[k]) for k in best)
+    (stats,) = [EpochStats(**h) for h in loaded["history"]]
+    assert stats == EpochStats(**_EPOCH, **({"ema_val_loss": 0.7, "ema_val_accuracy": 0.75} if last else {}))
+    progress = EpochProgress.from_state(loaded["epoch_progress"])
+    assert progress == (EpochProgress() if written == "before mid-epoch sums" else EpochProgress(*_SUMS))
+    assert loaded["world_size"] == (2 if written in ("last before versions", "before weight averaging") else None)
+
+
+def test_a_checkpoint_records_its_format_and_one_newer_than_this_code_stops_the_resume(tmp_path: Path) -> None:
+    """A newer ddpipe's checkpoint of this run is neither read nor skipped for an older one: the resume stops,
+    naming the file, its format and the newest this code reads."""
+    fp = "abcdef012345"
+    older = ckpt.save_checkpoint(tmp_path, fp, ckpt.Position(1, 0), {"v": torch.tensor([1.0])}, keep=3)
+    assert torch.load(older, weights_only=True)["format_version"] == ckpt.CHECKPOINT_FORMAT
+    assert ckpt.load_latest(tmp_path, fp)[1]["format_version"] == ckpt.CHECKPOINT_FORMAT
+    newer = ckpt.checkpoint_path(tmp_path, fp, ckpt.Position(2, 0))
+    version = ckpt.CHECKPOINT_FORMAT + 1
+    torch.save({"v": torch.tensor([2.0]), "position": torch.tensor([2, 0]), "fingerprint": fp,
+                "format_version": version}, newer)
+    said = (f"{newer}: checkpoint format {version} is newer than this ddpipe reads (formats up to "
+            f"{ckpt.CHECKPOINT_FORMAT})")
+    with pytest.raises(ValueError, match=re.escape(said)):
+        ckpt.load_latest(tmp_path, fp)
+    assert older.exists() and newer.exists()

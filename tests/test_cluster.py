@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddpipe.cluster import kubernetes
-from ddpipe.cluster.queue import exp_ref
-from ddpipe.launch import NODES_ENV, cluster_nodes
+from ddpipe.launch.cluster import kubernetes
+from ddpipe.launch.cluster.queue import exp_ref
+from ddpipe.launch.torchrun import NODES_ENV, cluster_nodes
 from tests.conftest import GIT_ENV, VENV_BIN, free_port, run, same_weights, subprocess_env, wait_for_url, weights
 from tests.slurm_cluster import SlurmCluster, unavailable
 

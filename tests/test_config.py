@@ -5,22 +5,84 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
-from omegaconf import OmegaConf
+import yaml
 
-from ddpipe.config.keys import flatten, flatten_mapping, trajectory
-from ddpipe.config.loading import load_config, schema_table
+from ddpipe.config.keys import FIELDS, flatten, is_section, trajectory
+from ddpipe.config.load import DOCS_COMMAND, default_of, load_config, parameters_page, schema_table
 from ddpipe.config.schema import Config, ConfigError
 from tests.conftest import PARAMS, ROOT, run
 
+SCHEMA_DEFAULTS = {key: default_of(f) for key, f in FIELDS.items() if not is_section(key)}
+
+
+def _leaves(mapping: dict, prefix: str = "") -> dict[str, Any]:
+    """A YAML mapping's dotted leaf keys and values; an empty mapping (model.kwargs: {}) is a leaf."""
+    out: dict[str, Any] = {}
+    for key, value in mapping.items():
+        if isinstance(value, dict) and value:
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
 
 def test_params_yaml_matches_the_schema_keys() -> None:
-    """params.yaml spells out every key (so `dvc exp run -S key=...` can set any of them)."""
-    on_disk = OmegaConf.to_container(OmegaConf.load(PARAMS))
-    flat_disk = set(flatten_mapping(on_disk))
-    assert flat_disk == set(flatten(Config()))
+    """params.yaml spells out every key (so `dvc exp run -S key=...` can set any of them), and no other."""
+    on_disk = _leaves(yaml.safe_load(PARAMS.read_text()))
+    assert set(on_disk) == set(SCHEMA_DEFAULTS), (
+        f"only in params.yaml: {sorted(set(on_disk) - set(SCHEMA_DEFAULTS))}; "
+        f"only in the schema: {sorted(set(SCHEMA_DEFAULTS) - set(on_disk))}")
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """A value as params.yaml writes it is the schema's default: equal and of its type, or the digits of a key
+    the schema holds as text (an int-or-word key such as train.freeze_body_epochs: 0, or distributed.nnodes: 1)."""
+    if isinstance(default, str) and isinstance(value, int) and not isinstance(value, bool):
+        return str(value) == default
+    return type(value) is type(default) and value == default
+
+
+def test_params_yaml_values_are_the_schema_defaults() -> None:
+    """The schema is the one home of every default: params.yaml shows them, and never says otherwise."""
+    on_disk = _leaves(yaml.safe_load(PARAMS.read_text()))
+    differ = {key: (value, SCHEMA_DEFAULTS[key]) for key, value in on_disk.items()
+              if key in SCHEMA_DEFAULTS and not _is_default(value, SCHEMA_DEFAULTS[key])}
+    assert not differ, f"params.yaml values that are not the schema's defaults, as (params.yaml, schema): {differ}"
+    assert load_config(params_file=PARAMS) == Config()
+
+
+KEY_LINE = re.compile(r"^\s*([A-Za-z_]\w*):(?=\s|$)")
+
+
+def test_every_key_of_params_yaml_has_a_comment() -> None:
+    """Each key, sections included, says what it is: a trailing comment, or a comment line just above it (a
+    `# --- group ---` banner names a group, not the key)."""
+    lines = PARAMS.read_text().splitlines()
+    keys, bare = [], []
+    for n, line in enumerate(lines):
+        if not (match := KEY_LINE.match(line)):
+            continue
+        keys.append(match.group(1))
+        above = lines[n - 1].strip() if n else ""
+        if not re.search(r"\s#", line[match.end():]) and not (above.startswith("#") and not above.startswith("# ---")):
+            bare.append(f"line {n + 1}: {line.strip()}")
+    assert len(keys) == len(FIELDS), "every key of the schema, sections included, on a line of its own"
+    assert not bare, "params.yaml keys without a comment (trailing, or on the line above):\n" + "\n".join(bare)
+
+
+def test_docs_parameters_md_is_generated_from_the_schema() -> None:
+    page = ROOT / "docs" / "parameters.md"
+    expected = parameters_page(ROOT / "dvc.yaml")
+    assert page.exists() and page.read_text() == expected, (
+        f"docs/parameters.md is stale (the schema or dvc.yaml changed): run `{DOCS_COMMAND}` from the repository root")
+    for key in SCHEMA_DEFAULTS:
+        assert f"| `{key}` |" in expected, key
+    assert "Listed under `params:` by no stage." in expected.split("## `cluster`")[1]  # the submit command's own
 
 
 def test_load_order_defaults_file_command_line(tmp_path: Path) -> None:
@@ -252,6 +314,7 @@ def test_config_module_prints_schema_and_resolved_config() -> None:
     out = run(["python", "-m", "ddpipe.config", "num_epochs=3"], cwd=ROOT).stdout
     assert "num_epochs: 3" in out
     assert "| `data.val_fraction` |" in run(["python", "-m", "ddpipe.config", "--schema"]).stdout
+    assert run(["python", "-m", "ddpipe.config", "--docs"], cwd=ROOT).stdout == parameters_page(ROOT / "dvc.yaml")
 
 
 @pytest.mark.parametrize("weights", ["models/model.pt", "/tmp/resnet50.pth", "pretrained/../models/model.pt",

@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DistributedSampler
 
-from ddpipe.config.loading import load_config
+from ddpipe.config.load import load_config
 from ddpipe.config.schema import ConfigError
-from ddpipe.data.loading import BatchKey, Splits, TrainingData, TrainOrder, eval_batches, real_sample_mask
+from ddpipe.core.devices import PrecisionPolicy
+from ddpipe.data.loaders import BatchKey, Splits, TrainingData, TrainOrder, eval_batches, real_sample_mask
 from ddpipe.data.store import load_meta
 from ddpipe.data.transforms import BatchTransform, EvalCrop, TrainCrop, decode
-from ddpipe.devices import Compute
-from ddpipe.resolve.run import RECIPE_PRESETS, eval_input_size, input_size, resolve
+from ddpipe.engine.resolved import RECIPE_PRESETS, eval_input_size, input_size, resolve
 from tests.conftest import prepare_generated_folder
 
 CPU = torch.device("cpu")
@@ -100,7 +100,7 @@ def encoded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _data(prepared: Path, workers: int, rank: int = 0, world: int = 1, batch: int = 8) -> TrainingData:
     cfg = load_config([f"paths.prepared={prepared}", "data.image_size=48", "seed=4",
                        f"train.batch_size_per_rank={batch}"], params_file=None)
-    return TrainingData.load(resolve(cfg, CPU), load_meta(prepared), Compute(CPU, "fp32", False), rank=rank,
+    return resolve(cfg, CPU).training_data(load_meta(prepared), PrecisionPolicy(CPU, "fp32", False), rank=rank,
                              world_size=world, num_workers=workers)
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddpipe.data.loading import TrainOrder
+from ddpipe.data.loaders import TrainOrder
 from ddpipe.data.sampling import balanced_class_weights, earlier_draws, epoch_order
 
 # one class 10x each of the others, as the imbalanced folder of the benchmarks

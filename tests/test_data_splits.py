@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ddpipe.config.loading import load_config
+from ddpipe.config.load import load_config
 from ddpipe.config.schema import ConfigError, DataConfig
 from ddpipe.data.splits import make_splits, relabel, select_classes, split_indices, stratified_pick
 from tests.conftest import PARAMS

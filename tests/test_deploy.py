@@ -8,8 +8,8 @@ import re
 import pytest
 import yaml
 
-from ddpipe.config.loading import load_config
-from ddpipe.exits import EXIT_PREEMPTED
+from ddpipe.config.load import load_config
+from ddpipe.core.exits import EXIT_PREEMPTED
 from tests.conftest import PARAMS, ROOT
 
 K8S = ROOT / "deploy" / "k8s"

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddpipe.config.loading import load_config
+from ddpipe.config.load import load_config
 from ddpipe.config.schema import ConfigError
-from ddpipe.devices import Compute, cpu_count, cpu_supports_bf16
-from ddpipe.resolve import run as resolve_run
-from ddpipe.resolve.run import resolve_precision, use_channels_last
+from ddpipe.core.devices import PrecisionPolicy, cpu_count, cpu_supports_bf16
+from ddpipe.engine import resolved as resolve_run
+from ddpipe.engine.resolved import resolve_precision, use_channels_last
 
 CPU = torch.device("cpu")
 
@@ -34,11 +34,11 @@ def test_channels_last(setting: str, device: str, precision: str, expected: bool
 
 
 def test_compute_on_cpu_autocasts_only_below_fp32() -> None:
-    fp32 = Compute(CPU, resolve_precision("fp32", CPU), use_channels_last("off", CPU, "fp32"))
+    fp32 = PrecisionPolicy(CPU, resolve_precision("fp32", CPU), use_channels_last("off", CPU, "fp32"))
     assert (fp32.precision, fp32.channels_last, fp32.pin_memory) == ("fp32", False, False)
     with fp32.autocast():
         assert not torch.is_autocast_enabled("cpu")
-    bf16 = Compute(CPU, "bf16", channels_last=True)
+    bf16 = PrecisionPolicy(CPU, "bf16", channels_last=True)
     with bf16.autocast():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     assert not bf16.grad_scaler().is_enabled()

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ddpipe.ema import WeightAverage
+from ddpipe.engine.ema import WeightAverage
 
 
 def _net() -> nn.Module:

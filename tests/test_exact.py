@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpipe.batchnorm import ExactBatchNorm, _per_sample_sums
-from ddpipe.config.loading import load_config
+from ddpipe.config.load import load_config
 from ddpipe.config.schema import ConfigError
-from ddpipe.exact import ExactConv2d, ExactLinear, make_exact
+from ddpipe.distributed.batchnorm import ExactBatchNorm, _per_sample_sums
+from ddpipe.distributed.exact import ExactConv2d, ExactLinear, make_exact
 from ddpipe.models.nets import ResNetSmall
 from tests.conftest import args_for, max_rel_diff, run, spawn, torchrun, weights
 

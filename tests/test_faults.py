@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ddpipe.config.schema import DistributedConfig
-from ddpipe.launch import torchrun_command
+from ddpipe.launch.torchrun import torchrun_command
 from tests.conftest import (
     CLONE_ENV,
     ROOT,
@@ -159,7 +159,7 @@ def test_pickle_payload_in_the_checkpoint_directory_never_runs(tmp_path: Path, p
     """The newest checkpoint is replaced by a pickle payload: training refuses it, falls back to the
     previous checkpoint, completes, and the payload's code never runs."""
     args = args_for(tmp_path, prepared, "num_epochs=2", "train.keep_checkpoints=2")
-    run(["python", "stages/train.py", *args])
+    run(["python", "stages/train_worker.py", *args])
     newest = sorted((tmp_path / "ckpt").glob("ckpt-*.pt"))[-1]
     marker = tmp_path / "payload-ran"
     payload = tmp_path / "payload.py"
@@ -171,7 +171,7 @@ def test_pickle_payload_in_the_checkpoint_directory_never_runs(tmp_path: Path, p
         "torch.save({'fingerprint': sys.argv[2], 'model': P()}, sys.argv[1])\n")
     fingerprint = newest.name.split("-")[1]
     run(["python", str(payload), str(newest), fingerprint])
-    result = run(["python", "stages/train.py", *args, "num_epochs=2"])
+    result = run(["python", "stages/train_worker.py", *args, "num_epochs=2"])
     assert "cannot be loaded" in result.stderr and "resuming from" in result.stdout
     assert not marker.exists()
     assert torch.load(tmp_path / "model.pt", weights_only=True)["state_dict"]

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpipe.checkpoint import list_checkpoints
-from ddpipe.finetune import FineTuning
-from ddpipe.launch import this_device
+from ddpipe.engine.checkpoint import list_checkpoints
+from ddpipe.engine.loop import train
+from ddpipe.engine.resolved import resolve
+from ddpipe.launch.torchrun import this_device
+from ddpipe.models.finetune import FineTuning
 from ddpipe.models.nets import ResNetCompact
-from ddpipe.resolve.run import resolve
-from ddpipe.training import train
 from tests.conftest import ROOT, args_for, run, same_weights, torchrun, weights
 
 
@@ -22,7 +22,7 @@ from tests.conftest import ROOT, args_for, run, same_weights, torchrun, weights
 def exported(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> Path:
     """A model exported by one experiment (1 epoch of resnet_compact), copied into a pretrained/ folder."""
     tmp = tmp_path_factory.mktemp("source-exp")
-    run(["python", "stages/train.py", *args_for(tmp, prepared, "model.name=resnet_compact", "num_epochs=1",
+    run(["python", "stages/train_worker.py", *args_for(tmp, prepared, "model.name=resnet_compact", "num_epochs=1",
                                                  "mlflow.log_model=false")])
     (tmp / "pretrained").mkdir()
     return Path(shutil.copy(tmp / "model.pt", tmp / "pretrained" / "exp1.pt"))
@@ -88,13 +88,13 @@ def test_fine_tuning_resumes_bit_equal_and_runs_under_two_processes(
               "train.lr_scaling=none",
               "train.keep_checkpoints=100", f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db")
     whole = tmp_path / "whole"
-    run(["python", "stages/train.py", *finetune_args(whole, prepared, exported, *common)])
+    run(["python", "stages/train_worker.py", *finetune_args(whole, prepared, exported, *common)])
     mid = tmp_path / "mid"  # the whole run's checkpoint of epoch 1, step 3 (the body frozen), resumed
     shutil.copytree(whole / "ckpt", mid / "ckpt")
     for pos, path in list_checkpoints(mid / "ckpt"):
         if (pos.epoch, pos.step) != (0, 3):
             path.unlink()
-    out = run(["python", "stages/train.py", *finetune_args(mid, prepared, exported, *common)]).stdout
+    out = run(["python", "stages/train_worker.py", *finetune_args(mid, prepared, exported, *common)]).stdout
     assert "at epoch 1, step 3" in out and "epoch 1: the body is frozen" in out
     assert same_weights(weights(mid / "model.pt"), weights(whole / "model.pt"))
     two = tmp_path / "two"

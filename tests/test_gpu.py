@@ -18,16 +18,15 @@ import pytest
 import torch
 from torch import nn
 
-from ddpipe.batchnorm import convert_sync_batchnorm
-from ddpipe.config.loading import load_config
-from ddpipe.data.loading import TrainingData
+from ddpipe.config.load import load_config
+from ddpipe.core.devices import PrecisionPolicy
+from ddpipe.core.exits import EXIT_PREEMPTED
 from ddpipe.data.store import load_meta, open_split
 from ddpipe.data.transforms import BatchTransform
-from ddpipe.devices import Compute
-from ddpipe.exits import EXIT_PREEMPTED
+from ddpipe.distributed.batchnorm import convert_sync_batchnorm
+from ddpipe.engine.resolved import resolve, use_channels_last
 from ddpipe.models.nets import ResNetSmall
 from ddpipe.models.saved import load_model
-from ddpipe.resolve.run import resolve, use_channels_last
 from tests.conftest import FIRST_EPOCH, ROOT, args_for, subprocess_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -44,9 +43,9 @@ def _cfg(tiny_cfg, prepared: Path, *extra: str):
 def test_a_short_training_on_one_gpu(tiny_cfg, prepared: Path, precision: str) -> None:
     """Two epochs in-process on the GPU learn the generated bars; fp16 runs through the GradScaler,
     whose state travels in the checkpoint."""
-    from ddpipe.launch import this_device
-    from ddpipe.resolve.run import resolve
-    from ddpipe.training import train
+    from ddpipe.engine.loop import train
+    from ddpipe.engine.resolved import resolve
+    from ddpipe.launch.torchrun import this_device
 
     cfg = _cfg(tiny_cfg, prepared, f"train.precision={precision}")
     metrics = train(resolve(cfg, this_device()))
@@ -59,9 +58,9 @@ def test_a_short_training_on_one_gpu(tiny_cfg, prepared: Path, precision: str) -
 
 
 def test_a_model_trained_on_the_gpu_loads_on_the_cpu_and_answers_the_same(tiny_cfg, prepared: Path) -> None:
-    from ddpipe.launch import this_device
-    from ddpipe.resolve.run import resolve
-    from ddpipe.training import train
+    from ddpipe.engine.loop import train
+    from ddpipe.engine.resolved import resolve
+    from ddpipe.launch.torchrun import this_device
 
     cfg = _cfg(tiny_cfg, prepared, "num_epochs=1", "train.precision=fp32")
     train(resolve(cfg, this_device()))
@@ -92,7 +91,7 @@ def test_augmentation_on_the_gpu_is_the_cpu_augmentation(prepared: Path) -> None
 
 def test_pinned_batches_reach_the_gpu_with_non_blocking_copies(prepared: Path) -> None:
     cfg = load_config([f"paths.prepared={prepared}", "train.batch_size_per_rank=32"], params_file=None)
-    data = TrainingData.load(resolve(cfg, CUDA), load_meta(prepared), Compute(CUDA, "fp32", True), rank=0,
+    data = resolve(cfg, CUDA).training_data(load_meta(prepared), PrecisionPolicy(CUDA, "fp32", True), rank=0,
                              world_size=1, num_workers=0)
     images, labels, _ = next(iter(data.train_batches(0)))
     assert images.is_pinned() and labels.is_pinned()
@@ -114,8 +113,8 @@ def test_encoded_images_decoded_by_loader_workers_reach_the_gpu_pinned(tmp_path:
                        "train.batch_size_per_rank=8"], params_file=None)
     meta = load_meta(tmp_path / "p")
     run = resolve(cfg, CUDA)
-    workers = TrainingData.load(run, meta, Compute(CUDA, "fp32", True), rank=0, world_size=1, num_workers=2)
-    plain = TrainingData.load(run, meta, Compute(torch.device("cpu"), "fp32", True), rank=0, world_size=1,
+    workers = run.training_data(meta, PrecisionPolicy(CUDA, "fp32", True), rank=0, world_size=1, num_workers=2)
+    plain = run.training_data(meta, PrecisionPolicy(torch.device("cpu"), "fp32", True), rank=0, world_size=1,
                               num_workers=0)
     try:
         for (images, labels, _), (expected, _, _) in zip(workers.train_batches(0), plain.train_batches(0)):
@@ -128,7 +127,7 @@ def test_encoded_images_decoded_by_loader_workers_reach_the_gpu_pinned(tmp_path:
 def test_channels_last_and_bf16_on_the_gpu_match_the_plain_layout() -> None:
     torch.manual_seed(0)
     plain = ResNetSmall(1, 10, 8)
-    fast = Compute(CUDA, "bf16", use_channels_last("auto", CUDA, "bf16"))
+    fast = PrecisionPolicy(CUDA, "bf16", use_channels_last("auto", CUDA, "bf16"))
     assert fast.channels_last and fast.pin_memory  # auto: channels_last with bf16 on CUDA
     model = fast.place(ResNetSmall(1, 10, 8))
     model.load_state_dict(plain.state_dict())
@@ -169,9 +168,9 @@ def test_torch_sync_batchnorm_on_cuda_trains_like_batchnorm() -> None:
 
 
 def test_a_compiled_training_on_the_gpu(tiny_cfg, prepared: Path) -> None:
-    from ddpipe.launch import this_device
-    from ddpipe.resolve.run import resolve
-    from ddpipe.training import train
+    from ddpipe.engine.loop import train
+    from ddpipe.engine.resolved import resolve
+    from ddpipe.launch.torchrun import this_device
 
     metrics = train(resolve(_cfg(tiny_cfg, prepared, "train.compile=true", "train.precision=bf16"), this_device()))
     assert metrics["val_accuracy"] > 0.5, metrics

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import urllib.error
@@ -18,11 +19,11 @@ import torch
 from bench.imageset import generate
 from ddpipe.config.schema import ModelConfig
 from ddpipe.data.store import open_split
-from ddpipe.data.transforms import EvalCrop, decode
-from ddpipe.inference import ImageClassifier, prediction_frame
+from ddpipe.data.transforms import IMAGENET_CROP_RATIO, EvalCrop, decode
+from ddpipe.models.catalog import build_model
 from ddpipe.models.nets import predict_logits
-from ddpipe.models.registry import build_model
-from ddpipe.models.saved import load_model, save_model
+from ddpipe.models.saved import MODEL_FORMAT, load_model, save_model
+from ddpipe.models.served import ImageClassifier, prediction_frame
 from tests.conftest import OWN_NET, ROOT, VENV_BIN, args_for, free_port, run, subprocess_env, wait_for_url
 
 
@@ -94,7 +95,7 @@ def test_the_served_model_answers_plain_images_as_the_evaluate_stage_did(tmp_pat
     images (N x H x W, as JSON integers) and the same images as floats in [0, 1]: its predictions are
     the evaluate stage's, image for image."""
     args = args_for(tmp_path, prepared, "num_epochs=1", "mlflow.registered_model_name=tiny-classifier")
-    run(["python", "stages/train.py", *args], env={"DVC_EXP_NAME": "served"})
+    run(["python", "stages/train_worker.py", *args], env={"DVC_EXP_NAME": "served"})
     run(["python", "stages/evaluate.py", *args])
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     run_id = json.loads((tmp_path / "run.json").read_text())["run_id"]
@@ -150,7 +151,7 @@ def test_a_network_of_ones_own_trains_evaluates_and_is_served_from_another_direc
     (repo / "mynets.py").write_text(OWN_NET)
     shutil.copy(ROOT / "params.yaml", repo / "params.yaml")
     args = args_for(tmp_path, prepared, "num_epochs=1", "model.name=mynets:TinyNet", "model.kwargs.hidden=6")
-    trained = run(["python", str(ROOT / "stages" / "train.py"), *args], cwd=repo)
+    trained = run(["python", str(ROOT / "stages" / "train_worker.py"), *args], cwd=repo)
     assert "network mynets:TinyNet at 28x28" in trained.stdout
     evaluated = run(["python", str(ROOT / "stages" / "evaluate.py"), *args], cwd=repo)
     assert float(evaluated.stdout.split("test accuracy ")[1].split(",")[0]) > 0.5
@@ -165,7 +166,7 @@ def test_a_network_of_ones_own_trains_evaluates_and_is_served_from_another_direc
 
 def test_the_model_is_logged_as_code_without_a_pickle_or_a_warning(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """log_model writes MLflow's models-from-code form: no python_model.pkl, no CloudPickle warning (MLflow logs
+    """log_pyfunc writes MLflow's models-from-code form: no python_model.pkl, no CloudPickle warning (MLflow logs
     it through its own logger, which does not propagate); the loaded model, from another directory, answers as
     the classifier does; the registered version keeps its tags."""
     import logging
@@ -173,7 +174,7 @@ def test_the_model_is_logged_as_code_without_a_pickle_or_a_warning(tmp_path: Pat
 
     import mlflow
 
-    from ddpipe.inference import MODEL_CODE_FILE, log_model
+    from ddpipe.models.served import MODEL_CODE_FILE, log_pyfunc
 
     torch.manual_seed(0)
     model_cfg = ModelConfig(name="resnet_small", width=8)
@@ -191,7 +192,7 @@ def test_the_model_is_logged_as_code_without_a_pickle_or_a_warning(tmp_path: Pat
         with warnings.catch_warnings(record=True) as warned, mlflow.start_run(experiment_id=experiment) as run:
             warnings.simplefilter("always")
             logging.getLogger("mlflow.pyfunc").warning("the capture hears mlflow.pyfunc")
-            log_model(mlflow, run.info.run_id, tmp_path / "m.pt", _images(2), "resnet_small", "code-model", "abc123")
+            log_pyfunc(mlflow, run.info.run_id, tmp_path / "m.pt", _images(2), "resnet_small", "code-model", "abc123")
     finally:
         logging.getLogger("mlflow").removeHandler(handler)
     heard = said + [str(w.message) for w in warned]
@@ -229,9 +230,57 @@ def test_eval_flips_average_the_mirror_images_logits(tmp_path: Path) -> None:
     mirrored = torch.from_numpy(_images(4)[:, :, ::-1].copy())[:, None]
     assert flipped.flips and torch.allclose(flipped.logits(images), flipped.logits(mirrored), atol=1e-5)
     payload = torch.load(tmp_path / "flips.pt", weights_only=True)
-    del payload["model"]["eval_flips"]  # a model file written before the key existed
+    del payload["model"]["eval_flips"], payload["format_version"]  # a model file written before the key existed
     torch.save(payload, tmp_path / "old.pt")
     assert not ImageClassifier.load(tmp_path / "old.pt").flips
+
+
+@pytest.mark.parametrize("written", ["last before versions", "before the recipe", "before encoded data",
+                                     "before eval_flips"])
+def test_a_model_file_written_before_format_versions_loads_as_it_did(tmp_path: Path, written: str) -> None:
+    """Format 0: model files as save_model and the train stage wrote them at each step before format versions,
+    each with fewer keys (the last; before the exported weights and the evaluation crop were recorded; before
+    encoded data; before model.eval_flips). Each loads its network and what it meant, and predicts with it."""
+    torch.manual_seed(0)
+    net = build_model(ModelConfig(name="resnet_small", width=8), 1, 10).eval()
+    payload = {"state_dict": net.state_dict(), "model": {"name": "resnet_small", "width": 8}, "num_channels": 1,
+               "classes": [f"c{i}" for i in range(10)], "mean": [0.3], "std": [0.35], "image_size": [28, 28]}
+    if written != "before eval_flips":
+        payload.update(model={**payload["model"], "eval_flips": True}, exported_epoch=2)
+    if written in ("before the recipe", "last before versions"):
+        payload.update(model={**payload["model"], "kwargs": {}, "weights": None}, encoding="raw")
+    if written == "last before versions":
+        payload.update(exported_weights="ema", eval_crop_ratio=0.9)
+    torch.save(payload, tmp_path / "old.pt")
+
+    model, saved = load_model(tmp_path / "old.pt")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), net.state_dict().values()))
+    last, flips = written == "last before versions", written != "before eval_flips"
+    assert (saved.model.name, saved.model.width, saved.model.kwargs, saved.model.weights) == \
+        ("resnet_small", 8, {}, None)
+    assert (saved.model.eval_flips, saved.encoding, saved.exported_epoch) == (flips, "raw", 2 if flips else None)
+    assert (saved.exported_weights, saved.eval_crop_ratio) == (("ema", 0.9) if last else ("raw", IMAGENET_CROP_RATIO))
+    classifier = ImageClassifier.load(tmp_path / "old.pt")
+    x = (torch.from_numpy(_images(3))[:, None].float() / 255 - 0.3) / 0.35
+    with torch.no_grad():
+        expected = predict_logits(net, x, flips)
+    assert torch.allclose(classifier.logits(torch.from_numpy(_images(3))[:, None]), expected, atol=1e-5)
+
+
+def test_a_model_file_records_its_format_and_one_newer_than_this_code_is_refused(tmp_path: Path) -> None:
+    cfg = ModelConfig(name="resnet_small", width=8)
+    meta = {"num_channels": 1, "classes": [f"c{i}" for i in range(10)], "mean": [0.3], "std": [0.35],
+            "image_size": [28, 28], "encoding": "raw"}
+    save_model(build_model(cfg, 1, 10).state_dict(), cfg, meta, tmp_path / "m.pt")
+    payload = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert payload["format_version"] == MODEL_FORMAT
+    assert (payload["exported_epoch"], payload["exported_weights"]) == (None, "raw")  # extra's defaults, written
+    payload["format_version"] = MODEL_FORMAT + 1
+    torch.save(payload, tmp_path / "newer.pt")
+    said = (f"{tmp_path / 'newer.pt'}: saved-model format {MODEL_FORMAT + 1} is newer than this ddpipe reads "
+            f"(formats up to {MODEL_FORMAT})")
+    with pytest.raises(ValueError, match=re.escape(said)):
+        ImageClassifier.load(tmp_path / "newer.pt")
 
 
 @pytest.mark.slow
@@ -246,7 +295,7 @@ def test_a_model_of_encoded_images_takes_any_size_and_predicts_as_evaluated(tmp_
                     "data.val_fraction=0.2", "data.test_fraction=0.2", "model.name=resnet_compact",
                     "train.hflip=true", "data.eval_image_size=48", "data.eval_crop_ratio=0.95", "train.ema_decay=0.8")
     run(["python", "stages/prepare.py", *args])
-    run(["python", "stages/train.py", *args])
+    run(["python", "stages/train_worker.py", *args])
     run(["python", "stages/evaluate.py", *args])
     evaluated = [line.split(",")[1] for line in (tmp_path / "confusion.csv").read_text().splitlines()[1:]]
     import mlflow.pyfunc

@@ -14,10 +14,10 @@ import pytest
 import yaml
 
 from ddpipe.config.schema import ConfigError, DistributedConfig
-from ddpipe.exits import EXIT_PREEMPTED
-from ddpipe.hostshare import GpuLease
-from ddpipe.launch import torchrun_command
-from ddpipe.resolve.run import Job, resolve_job
+from ddpipe.core.exits import EXIT_PREEMPTED
+from ddpipe.distributed.host_leases import GpuLease
+from ddpipe.engine.resolved import Job, resolve_job
+from ddpipe.launch.torchrun import torchrun_command
 from tests.conftest import ROOT, args_for, run, subprocess_env
 
 
@@ -27,7 +27,7 @@ def test_one_node_command_asks_torchrun_for_a_free_port_and_to_pass_on_the_stop_
     assert "--nproc-per-node=2" in cmd and "--standalone" in cmd and "--max-restarts=0" in cmd
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in cmd
     assert "--shutdown-timeout=60" in cmd
-    assert cmd[-1] == "num_epochs=1" and cmd[-2] == str(ROOT / "stages" / "train.py")
+    assert cmd[-1] == "num_epochs=1" and cmd[-2] == str(ROOT / "stages" / "train_worker.py")
 
 
 def test_multi_node_command_uses_the_c10d_rendezvous() -> None:
@@ -40,8 +40,10 @@ def test_multi_node_command_uses_the_c10d_rendezvous() -> None:
 
 
 def test_the_train_stage_runs_the_launcher() -> None:
-    """dvc.yaml's train stage, deploy/ and the tests all get their torchrun command from one builder."""
-    assert yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]["cmd"] == "python -m ddpipe.launch"
+    """dvc.yaml's train stage, deploy/ and the tests all get their torchrun command from one builder: the stage's
+    script is the launcher's entry point (``python -m ddpipe.launch`` is the same command)."""
+    assert yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]["cmd"] == "python stages/train.py"
+    assert "from ddpipe.launch.torchrun import main" in (ROOT / "stages" / "train.py").read_text()
     for launcher in ("deploy/slurm/train.sbatch", "deploy/k8s/indexed-job.yaml", "deploy/k8s/pytorchjob.yaml"):
         text = (ROOT / launcher).read_text()
         assert "ddpipe.launch" in text and "torch.distributed.run" not in text, launcher
@@ -67,7 +69,7 @@ def test_mistakes_that_need_the_node_or_the_data_fail_before_torchrun(prepared: 
 
 def test_nproc_is_refused_above_the_cores_of_a_cpu_node(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    monkeypatch.setattr("ddpipe.resolve.run.cpu_count", lambda: 4)
+    monkeypatch.setattr("ddpipe.engine.resolved.cpu_count", lambda: 4)
     assert resolve_job(DistributedConfig(nproc_per_node="4")) == Job(4, 1, 1, gpus_requested=4)
     assert resolve_job(DistributedConfig(nproc_per_node="auto", nnodes="2:4")) == Job(1, 2, 4)
     with pytest.raises(ConfigError, match="it has 4 CPU cores"):
@@ -78,7 +80,7 @@ def test_on_a_gpu_host_the_launcher_runs_torchrun_on_the_gpus_it_leased(
         monkeypatch: pytest.MonkeyPatch, prepared: Path, tmp_path: Path) -> None:
     """Two queue workers on an 8-GPU host (faked): an `auto` training gets 4 GPUs and 4 processes, checked
     again for that job size; the lease is given back when torchrun ends."""
-    from ddpipe import launch
+    from ddpipe.launch import torchrun as launch
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 8)
@@ -103,7 +105,7 @@ def _signal_self_soon(signum: int, after: float) -> None:
 def test_a_stop_signal_is_passed_on_and_the_launcher_exits_75() -> None:
     """SIGTERM to the launcher reaches its child (torchrun in real use); the child's failure after a
     stop becomes 75, "resume me"."""
-    from ddpipe.launch import supervise
+    from ddpipe.launch.torchrun import supervise
 
     child = [sys.executable, "-c", "import signal, sys, time; "
              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(3)); time.sleep(60); sys.exit(0)"]
@@ -116,7 +118,7 @@ def test_a_stop_signal_is_passed_on_and_the_launcher_exits_75() -> None:
 
 
 def test_without_a_stop_the_child_exit_code_is_kept() -> None:
-    from ddpipe.launch import supervise
+    from ddpipe.launch.torchrun import supervise
 
     assert supervise([sys.executable, "-c", "raise SystemExit(4)"]) == 4
     assert supervise([sys.executable, "-c", "pass"]) == 0

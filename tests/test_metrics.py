@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpipe.data.loading import BatchKey, Splits, eval_batches
+from ddpipe.core.devices import PrecisionPolicy
+from ddpipe.core.ranks import DistInfo
+from ddpipe.data.loaders import BatchKey, Splits, eval_batches
 from ddpipe.data.store import load_meta
 from ddpipe.data.transforms import BatchTransform
-from ddpipe.devices import Compute
-from ddpipe.metrics import EpochProgress, evaluate_split
-from ddpipe.ranks import DistInfo
+from ddpipe.engine.meters import EpochProgress, measure_split
 from tests.conftest import spawn
 
 
@@ -27,7 +27,7 @@ def _eval_rank(rank: int, world: int, prepared: Path, out: Path) -> None:
     info = DistInfo(distributed=True, rank=rank, local_rank=rank, world_size=world, local_world_size=world,
                     backend="gloo")
     t = BatchTransform([0.3], [0.3], 0, False, 0, info.device, False)
-    loss, acc = evaluate_split(model, batches, n, t, info, Compute(info.device, "fp32", channels_last=False))
+    loss, acc = measure_split(model, batches, n, t, info, PrecisionPolicy(info.device, "fp32", channels_last=False))
     if rank == 0:
         torch.save({"loss": loss, "acc": acc}, out)
 
@@ -42,7 +42,13 @@ def test_validation_counts_each_sample_once_at_any_world_size(prepared: Path, wo
 
 
 def test_a_checkpoints_epoch_progress_loads_by_name_and_from_older_checkpoints() -> None:
+    """Today's named form; and through the checkpoint's format 0 (written before format versions), the float64
+    tensor of before the fields were named and the nothing of before mid-epoch checkpoints recorded it."""
+    from ddpipe.engine.checkpoint import upgraded
+
     done = EpochProgress(loss_sum=12.5, correct=40.0, count=64.0, seconds=3.25)
     assert EpochProgress.from_state(done.as_state()) == done
-    older = torch.tensor([12.5, 40.0, 64.0, 3.25], dtype=torch.float64)  # before the fields were named
-    assert EpochProgress.from_state(older) == done and EpochProgress.from_state(None) == EpochProgress()
+    older = {"epoch_progress": torch.tensor([12.5, 40.0, 64.0, 3.25], dtype=torch.float64)}
+    assert EpochProgress.from_state(upgraded(older, 0)["epoch_progress"]) == done
+    assert EpochProgress.from_state(upgraded({}, 0)["epoch_progress"]) == EpochProgress()
+    assert EpochProgress.from_state(upgraded({"epoch_progress": done.as_state()}, 0)["epoch_progress"]) == done

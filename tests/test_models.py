@@ -13,8 +13,8 @@ from torch import nn
 
 from ddpipe.config.schema import ConfigError, ModelConfig
 from ddpipe.data.store import Prepared
+from ddpipe.models.catalog import build_model, classifier_head, code_paths
 from ddpipe.models.pretrained import WeightsError, apply_pretrained, load_pretrained
-from ddpipe.models.registry import build_model, classifier_head, code_paths
 from ddpipe.models.saved import load_model, save_model
 from tests.conftest import OWN_NET
 
@@ -189,17 +189,17 @@ def test_a_torchvision_weights_name_reads_torch_hubs_cache_and_says_where_offlin
 def test_the_launcher_says_when_dvc_yaml_misses_the_networks_file(repo_dir: Path,
                                                                  capsys: pytest.CaptureFixture) -> None:
     """An edit to mynets.py re-runs train and evaluate only if dvc.yaml lists it: the launcher checks."""
-    from ddpipe.config.loading import load_config
-    from ddpipe.launch import note_network
-    from ddpipe.network import build_network
-    from ddpipe.resolve.run import resolve
+    from ddpipe.config.load import load_config
+    from ddpipe.engine.assembly import build_network
+    from ddpipe.engine.resolved import resolve
+    from ddpipe.launch.torchrun import note_network
 
     def check(*overrides: str) -> None:  # what the launcher's preflight does with the network
         run = resolve(load_config(list(overrides), params_file=None), torch.device("cpu"), FASHION_SHAPE)
         build_network(run)
         note_network(run)
 
-    (repo_dir / "dvc.yaml").write_text("stages:\n  train:\n    deps:\n      - stages/train.py\n")
+    (repo_dir / "dvc.yaml").write_text("stages:\n  train:\n    deps:\n      - stages/train_worker.py\n")
     check("model.name=mynets:TinyNet")
     assert "lives in mynets.py, which dvc.yaml does not list" in capsys.readouterr().err
     (repo_dir / "dvc.yaml").write_text("stages:\n  train:\n    deps:\n      - mynets.py\n")

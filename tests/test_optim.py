@@ -8,7 +8,7 @@ import pytest
 from torch import nn
 
 from ddpipe.config.schema import TrainConfig
-from ddpipe.optim import build_optimization, lr_lambda, lr_scale
+from ddpipe.engine.optimizer import build_optimization, lr_lambda, lr_scale
 
 
 @pytest.mark.parametrize("rule, world, factor", [

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from ddpipe.exits import EXIT_PREEMPTED
+from ddpipe.core.exits import EXIT_PREEMPTED
 from tests.conftest import (
     CLONE_ENV,
     GIT_ENV,
@@ -58,7 +58,7 @@ def _train_workers(launcher: subprocess.Popen, count: int) -> dict[int, psutil.P
         found = {}
         for p in psutil.Process(launcher.pid).children(recursive=True):
             try:
-                if any(a.endswith("train.py") for a in p.cmdline()) and "RANK" in p.environ():
+                if any(a.endswith("train_worker.py") for a in p.cmdline()) and "RANK" in p.environ():
                     found[int(p.environ()["RANK"])] = p
             except psutil.NoSuchProcess:
                 continue

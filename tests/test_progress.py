@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from ddpipe.metrics import EpochProgress
-from ddpipe.progress import LINE_EVERY_S, LineProgress, NullProgress, Progress, make_progress
-from ddpipe.ranks import DistInfo
+from ddpipe.core.ranks import DistInfo
+from ddpipe.engine.meters import EpochProgress
+from ddpipe.engine.progress import LINE_EVERY_S, LineProgress, NullProgress, Progress, make_progress
 
 
 class FakeMeter:

@@ -1,5 +1,5 @@
 """The configuration a training runs with: every `auto` made concrete once, typed, for the launcher and the
-workers alike (ddpipe.resolve.run)."""
+workers alike (ddpipe.engine.resolved)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpipe.checkpoint import run_fingerprint
-from ddpipe.config.loading import load_config
+from ddpipe.config.load import load_config
 from ddpipe.config.schema import ConfigError
-from ddpipe.resolve import run as resolve_run
-from ddpipe.resolve.run import resolve
+from ddpipe.engine import resolved as resolve_run
+from ddpipe.engine.checkpoint import run_fingerprint
+from ddpipe.engine.resolved import resolve
 
 CPU = torch.device("cpu")
 

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from ddpipe.config.schema import TrainConfig
-from ddpipe.ema import WeightAverage
-from ddpipe.exits import EXIT_PREEMPTED
-from ddpipe.selection import ModelSelection
+from ddpipe.core.exits import EXIT_PREEMPTED
+from ddpipe.engine.ema import WeightAverage
+from ddpipe.engine.selection import ModelSelection
 from tests.conftest import CLONE_ENV, ROOT, args_for, run, same_weights, subprocess_env, weights
 
 
@@ -61,6 +61,21 @@ def test_the_selection_travels_in_a_weights_only_checkpoint(tmp_path: Path) -> N
     assert not ModelSelection(TrainConfig()).should_stop(10)  # patience off by default
 
 
+def test_a_selection_checkpointed_before_weight_averaging_exports_the_raw_weights() -> None:
+    """A checkpoint of format 0 (written before format versions) from before weight averaging holds no sources:
+    its best weights were the raw ones, and they are exported as such."""
+    from ddpipe.engine.checkpoint import upgraded
+
+    sel, model = ModelSelection(TrainConfig(export="best")), nn.Linear(2, 1)
+    sel.update(3, 0.9, model)
+    old = {k: v for k, v in sel.state_dict().items() if k not in ("best_source", "last_source")}
+    again = ModelSelection(TrainConfig(export="best"))
+    again.load_state_dict(upgraded({"selection": old}, 0)["selection"])
+    assert (again.best_epoch, again.best_source, again.last_source) == (3, "raw", "raw")
+    weights, epoch, source = again.exported(model, 5)
+    assert (epoch, source) == (3, "raw") and torch.equal(weights["weight"], model.weight)
+
+
 def _history(tmp: Path) -> list[dict[str, float]]:
     with open(tmp / "history.csv") as f:
         return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
@@ -73,7 +88,7 @@ def test_early_stopping_and_best_export_resume_exactly(tmp_path: Path, prepared:
     same checkpoints (export does not change the trajectory) with the last epoch's weights."""
     extra = ("num_epochs=6", "train.early_stopping_patience=1", "train.base_lr=0.02", "train.export=best")
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    run(["python", "stages/train.py", *args_for(whole, prepared, *extra)], env=CLONE_ENV)
+    run(["python", "stages/train_worker.py", *args_for(whole, prepared, *extra)], env=CLONE_ENV)
     history = _history(whole)
     accs = [h["val_accuracy"] for h in history]
     best = 1 + accs.index(max(accs))
@@ -81,7 +96,7 @@ def test_early_stopping_and_best_export_resume_exactly(tmp_path: Path, prepared:
     train_metrics = json.loads((whole / "train.json").read_text())["train"]
     assert train_metrics["best_epoch"] == train_metrics["exported_epoch"] == best
 
-    proc = subprocess.Popen(["python", "stages/train.py", *args_for(parts, prepared, *extra)], cwd=ROOT,
+    proc = subprocess.Popen(["python", "stages/train_worker.py", *args_for(parts, prepared, *extra)], cwd=ROOT,
                             env=subprocess_env(CLONE_ENV), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while not list((parts / "ckpt").glob("ckpt-*.pt")) and proc.poll() is None and time.time() < deadline:
@@ -89,13 +104,14 @@ def test_early_stopping_and_best_export_resume_exactly(tmp_path: Path, prepared:
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_PREEMPTED, err[-2000:]
-    run(["python", "stages/train.py", *args_for(parts, prepared, *extra)], env=CLONE_ENV)
+    run(["python", "stages/train_worker.py", *args_for(parts, prepared, *extra)], env=CLONE_ENV)
     assert _history(parts) == [{**h, "images_per_s": p["images_per_s"], "epoch_seconds": p["epoch_seconds"]}
                                for h, p in zip(history, _history(parts))]
     assert json.loads((parts / "train.json").read_text())["train"]["exported_epoch"] == best
     assert same_weights(weights(whole / "model.pt"), weights(parts / "model.pt"))
 
-    last = run(["python", "stages/train.py", *args_for(whole, prepared, *extra, "train.export=last")], env=CLONE_ENV)
+    last = run(["python", "stages/train_worker.py", *args_for(whole, prepared, *extra, "train.export=last")],
+               env=CLONE_ENV)
     assert "already trained" in last.stdout
     assert json.loads((whole / "train.json").read_text())["train"]["exported_epoch"] == len(history)
     payload = torch.load(whole / "model.pt", weights_only=True)

@@ -1,5 +1,5 @@
 """A team's tracking server, for real: PostgreSQL (Debian's package) and `mlflow server --app-name basic-auth`,
-started by deploy/tracking_server.py as the README says, with an admin, a writer and a reader. Skipped, with the
+started by deploy/tracking_server.py as docs/tracking.md says, with an admin, a writer and a reader. Skipped, with the
 reason, where PostgreSQL is not installed (CI installs it)."""
 
 from __future__ import annotations

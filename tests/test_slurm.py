@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpipe.procs import alive
+from ddpipe.core.processes import alive
 from tests.conftest import CLONE_ENV, ROOT, STOPPED, args_for, same_weights, wait_for_step_checkpoint, weights
 from tests.slurm_cluster import SlurmCluster, unavailable
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddpipe.sweeps import group_children, main, metric_key, table
+from ddpipe.tracking.sweeps import group_children, main, metric_key, table
 from tests.conftest import CLONE_ENV, run, subprocess_env
 
 

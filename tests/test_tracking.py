@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -12,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddpipe.config.loading import load_config
+from ddpipe.config.load import load_config
 from ddpipe.config.schema import Config, DistributedConfig, MlflowConfig
-from ddpipe.launch import torchrun_command
-from ddpipe.ranks import DistInfo
-from ddpipe.runstore import dvc_hash, tracking_uri
-from ddpipe.tracking import MlflowTracker, NullTracker, make_tracker
+from ddpipe.core.ranks import DistInfo
+from ddpipe.launch.torchrun import torchrun_command
+from ddpipe.tracking.store import dvc_hash, tracking_uri
+from ddpipe.tracking.tracker import MlflowTracker, Tracker, make_tracker
 from tests.conftest import (
     CLONE_ENV,
     CLONE_PARAMS,
@@ -44,7 +45,7 @@ def test_only_global_rank_zero_tracks() -> None:
     two_nodes = {"distributed": True, "world_size": 2, "num_nodes": 2, "backend": "gloo"}
     assert isinstance(make_tracker(MlflowConfig(), DistInfo(rank=0, **two_nodes)), MlflowTracker)
     other = make_tracker(MlflowConfig(), DistInfo(rank=1, **two_nodes))
-    assert type(other) is NullTracker and other.log_metrics({"x": 1.0}, step=0) is None
+    assert type(other) is Tracker and other.log_metrics({"x": 1.0}, step=0) is None
     # a true do-nothing twin: no process group exists here, and it needs none (the run id reaches the other
     # ranks through ddpipe.distributed, from the trainer)
     assert other.start(Config(), {}, None, Path("nowhere"), "seed_cnn") is None and other.run_id is None
@@ -62,7 +63,7 @@ def test_tracking_uri_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 @pytest.mark.slow
 def test_training_and_evaluation_make_one_complete_run(tmp_path: Path, prepared: Path) -> None:
     args = args_for(tmp_path, prepared, "mlflow.experiment_name=unit", "train.export=best")
-    trained = run(["python", "stages/train.py", *args],
+    trained = run(["python", "stages/train_worker.py", *args],
                   env={"DVC_EXP_NAME": "my-exp", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"})
     run(["python", "stages/evaluate.py", *args])
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -109,7 +110,7 @@ def test_training_and_evaluation_make_one_complete_run(tmp_path: Path, prepared:
 
     # Training again with nothing left to train (e.g. `dvc repro` after a code-only change) rewrites
     # the outputs from the last checkpoint into the same run, without a second copy of the model.
-    again = run(["python", "stages/train.py", *args])
+    again = run(["python", "stages/train_worker.py", *args])
     assert "already holds this model" in again.stdout
     assert [x.info.run_id for x in client.search_runs([exp.experiment_id])] == [r.info.run_id]
     models = mlflow.search_logged_models(experiment_ids=[exp.experiment_id], output_format="list",
@@ -136,7 +137,7 @@ def test_real_mlflow_server_gets_system_metrics_from_every_node(tmp_path: Path, 
         env = subprocess_env({"MLFLOW_TRACKING_URI": uri, "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "600"})
         two_nodes = DistributedConfig(nnodes="2", rdzv_endpoint=f"127.0.0.1:{rdzv}", rdzv_id="sysmetrics")
         cmd = torchrun_command(two_nodes, 1, args_for(tmp_path, prepared, "num_epochs=2"),
-                               script=ROOT / "stages" / "train.py")
+                               script=ROOT / "stages" / "train_worker.py")
         agents = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                   for _ in range(2)]
         for agent in agents:
@@ -156,7 +157,7 @@ def test_real_mlflow_server_gets_system_metrics_from_every_node(tmp_path: Path, 
 def test_a_store_down_for_the_whole_training_loses_nothing(tmp_path: Path, prepared: Path) -> None:
     """The training completes; what it logged waits in the outbox, said once with the command that sends it;
     that command delivers it all, once, into the store when it answers."""
-    result = run(["python", "stages/train.py", *args_for(tmp_path, prepared, "num_epochs=2")],
+    result = run(["python", "stages/train_worker.py", *args_for(tmp_path, prepared, "num_epochs=2")],
                  env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}, timeout=300)
     assert result.stderr.count("does not answer") == 1 and result.stderr.count("python -m ddpipe.outbox deliver") == 1
     assert (tmp_path / "model.pt").is_file() and (tmp_path / "train.json").is_file()
@@ -207,7 +208,7 @@ def test_a_store_that_cannot_be_opened_never_takes_training_down(monkeypatch: py
 
 def test_a_journal_sent_twice_stores_each_record_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A crash between a delivery and the note of its offset sends the same lines again: nothing is doubled."""
-    from ddpipe.outbox import Journal
+    from ddpipe.tracking.outbox import Journal
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -294,8 +295,8 @@ def _runs(tmp: Path, experiment: str = "ddpipe") -> list:
 
 
 def test_end_reasons_name_the_cause() -> None:
-    from ddpipe.exits import Preempted
-    from ddpipe.tracking import end_reason
+    from ddpipe.core.exits import Preempted
+    from ddpipe.tracking.tracker import end_reason
 
     assert end_reason(KeyboardInterrupt()) == ("KILLED", "interrupted by SIGINT (Ctrl-C)")
     status, why = end_reason(Preempted(15, 1, 7))
@@ -305,9 +306,9 @@ def test_end_reasons_name_the_cause() -> None:
 
 @pytest.mark.slow
 def test_a_training_that_raises_ends_failed(tmp_path: Path, prepared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ddpipe.launch import this_device
-    from ddpipe.resolve.run import resolve
-    from ddpipe.training import Trainer, train
+    from ddpipe.engine.loop import Trainer, train
+    from ddpipe.engine.resolved import resolve
+    from ddpipe.launch.torchrun import this_device
 
     real = Trainer.train_epoch
 
@@ -366,7 +367,7 @@ def test_sigterm_ends_killed_and_the_resumed_attempt_reopens_the_same_run(tmp_pa
 @pytest.mark.slow
 def test_a_run_left_running_by_sigkill_is_closed_failed_by_a_fresh_start(tmp_path: Path, prepared: Path) -> None:
     args = args_for(tmp_path, prepared, "num_epochs=4")
-    proc = subprocess.Popen(["python", "stages/train.py", *args], cwd=ROOT, env=subprocess_env(CLONE_ENV),
+    proc = subprocess.Popen(["python", "stages/train_worker.py", *args], cwd=ROOT, env=subprocess_env(CLONE_ENV),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_for_first_checkpoint(tmp_path / "ckpt", proc)
     proc.kill()
@@ -374,7 +375,7 @@ def test_a_run_left_running_by_sigkill_is_closed_failed_by_a_fresh_start(tmp_pat
     (orphan,) = _runs(tmp_path)
     assert orphan.info.status == "RUNNING"  # nothing could close it
 
-    run(["python", "stages/train.py", *args, "seed=7", "num_epochs=1"], env=CLONE_ENV)  # a fresh start
+    run(["python", "stages/train_worker.py", *args, "seed=7", "num_epochs=1"], env=CLONE_ENV)  # a fresh start
     closed, new = _runs(tmp_path)
     assert closed.info.run_id == orphan.info.run_id and closed.info.status == "FAILED"
     assert "was killed" in closed.data.tags["ddpipe.end_reason"]
@@ -382,11 +383,86 @@ def test_a_run_left_running_by_sigkill_is_closed_failed_by_a_fresh_start(tmp_pat
 
 
 def test_a_model_record_names_the_network_also_when_written_before_the_names_were_kept() -> None:
-    """An outbox that waited for its store across an upgrade still delivers: its model record holds the run's
-    whole config instead of the names."""
-    from ddpipe.config.loading import to_yaml
-    from ddpipe.delivery import model_names
+    """An outbox that waited for its store across an upgrade still delivers: a record of format 0 (written before
+    format versions) from before the names were kept holds the run's whole config instead of the names."""
+    from ddpipe.config.load import to_yaml
+    from ddpipe.tracking.delivery import model_names
+    from ddpipe.tracking.outbox import RECORD_FORMAT
 
-    assert model_names({"model_name": "resnet_compact", "registered_model_name": None}) == ("resnet_compact", None)
+    names = {"model_name": "resnet_compact", "registered_model_name": None}
+    assert model_names(names, RECORD_FORMAT) == model_names(names, 0) == ("resnet_compact", None)
     old = load_config(["model.name=seed_cnn", "mlflow.registered_model_name=fashion"], params_file=None)
-    assert model_names({"config": to_yaml(old)}) == ("seed_cnn", "fashion")
+    assert model_names({"config": to_yaml(old)}, 0) == ("seed_cnn", "fashion")
+
+
+def test_a_journal_written_before_format_versions_is_delivered(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    """Records of format 0, lines as Journal.append wrote them before records carried their format ("v"), waiting
+    in an outbox across the upgrade: delivered as they were, in order, beside today's."""
+    from ddpipe.tracking.outbox import FORMAT_KEY, RECORD_FORMAT, Journal
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = _client(uri)
+    run_id = client.create_run(client.create_experiment("old-journal")).info.run_id
+    journal = Journal(tmp_path / "outbox", run_id, uri)
+    old = [{"op": "params", "params": {"seed": 1}},
+           {"op": "metrics", "metrics": [["val_accuracy", 0.6, 1_700_000_000_001, 1]]},
+           {"op": "tags", "tags": {"ddpipe.note": "old"}}]
+    with open(journal.path, "a") as f:
+        f.writelines(json.dumps(r, separators=(",", ":")) + "\n" for r in old)
+    journal.append("metrics", metrics=[["val_accuracy", 0.7, 1_700_000_000_002, 2]])
+    journal.append("end", status="FINISHED", reason="completed", time=1_700_000_009_000)
+    formats = [journal.format_of(r) for _, r in journal.waiting()]
+    assert formats == [0, 0, 0, RECORD_FORMAT, RECORD_FORMAT]
+    assert json.loads(journal.path.read_text().splitlines()[-1])[FORMAT_KEY] == RECORD_FORMAT
+    assert journal.deliver(wait=True).sent == 5
+    history = client.get_metric_history(run_id, "val_accuracy")
+    assert sorted((m.step, m.value) for m in history) == [(1, 0.6), (2, 0.7)]
+    run_ = client.get_run(run_id)
+    assert run_.data.params == {"seed": "1"} and run_.data.tags["ddpipe.note"] == "old"
+    assert run_.info.status == "FINISHED"
+
+
+def test_a_record_newer_than_this_code_waits_for_the_ddpipe_that_wrote_it(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    """Delivered up to it; it and what follows wait, neither sent nor set aside, and the delivery says why."""
+    from ddpipe.tracking.outbox import FORMAT_KEY, RECORD_FORMAT, Journal
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = _client(uri)
+    run_id = client.create_run(client.create_experiment("newer")).info.run_id
+    journal = Journal(tmp_path / "outbox", run_id, uri)
+    journal.append("params", params={"seed": 1})
+    newer = {FORMAT_KEY: RECORD_FORMAT + 1, "op": "tags", "tags": {"a": "b"}}
+    with open(journal.path, "a") as f:
+        f.write(json.dumps(newer) + "\n")
+    journal.append("end", status="FINISHED", reason="completed", time=1_700_000_009_000)
+    result = journal.deliver(wait=True)
+    assert (result.sent, result.waiting) == (1, 2) and isinstance(result.error, ValueError)
+    assert str(result.error) == (f"{journal.path}: a record of format {RECORD_FORMAT + 1}, newer than this ddpipe "
+                                 f"reads (formats up to {RECORD_FORMAT}); it waits for the ddpipe that wrote it")
+    assert len(journal.waiting()) == 2 and not list(journal.dir.glob("*.rejected.jsonl"))
+    run_ = client.get_run(run_id)
+    assert run_.data.params == {"seed": "1"} and "a" not in run_.data.tags and run_.info.status == "RUNNING"
+
+
+def test_run_info_records_its_format_and_one_written_before_still_names_the_run(tmp_path: Path) -> None:
+    """paths.run_info as the train stage wrote it before format versions (run_id and tracking_uri: format 1, as
+    today) still names the run; one of a newer format is refused, naming the file and both formats."""
+    from ddpipe.tracking.outbox import RUN_INFO_FORMAT, read_run_info, write_run_info
+
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"run_id": "abc123", "tracking_uri": "sqlite:///mlflow.db"}))
+    assert read_run_info(old)["run_id"] == "abc123"
+    today = tmp_path / "run.json"
+    write_run_info(today, "abc123", "http://user:secret@host:5000")
+    written = json.loads(today.read_text())
+    assert written["format_version"] == RUN_INFO_FORMAT and "secret" not in written["tracking_uri"]
+    assert read_run_info(today)["run_id"] == "abc123"
+    today.write_text(json.dumps({**written, "format_version": RUN_INFO_FORMAT + 1}))
+    said = f"{today}: run-info format {RUN_INFO_FORMAT + 1} is newer than this ddpipe reads (formats up to " \
+        f"{RUN_INFO_FORMAT})"
+    with pytest.raises(ValueError, match=re.escape(said)):
+        read_run_info(today)

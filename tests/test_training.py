@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpipe.launch import this_device
+from ddpipe.engine.loop import train
+from ddpipe.engine.resolved import resolve
+from ddpipe.launch.torchrun import this_device
 from ddpipe.models.saved import load_model
-from ddpipe.resolve.run import resolve
-from ddpipe.training import train
 from tests.conftest import ROOT, args_for, max_rel_diff, run, spawn, subprocess_env, torchrun, weights
 
 
 @pytest.mark.slow
 def test_plain_process_trains_and_writes_every_output(tmp_path: Path, prepared: Path) -> None:
-    run(["python", "stages/train.py", *args_for(tmp_path, prepared)])
+    run(["python", "stages/train_worker.py", *args_for(tmp_path, prepared)])
     model, saved = load_model(tmp_path / "model.pt")
     assert saved.classes == [str(i) for i in range(10)]
     metrics = json.loads((tmp_path / "train.json").read_text())["train"]
@@ -182,7 +182,7 @@ def test_two_trainings_at_once_on_one_machine(tmp_path: Path, prepared: Path) ->
 @pytest.mark.slow
 def test_a_training_started_beside_another_takes_its_share_of_the_cores(tmp_path: Path, prepared: Path) -> None:
     """Alone, one process takes every core; with a 2-process training running on this 2-core host there
-    are 3 workers, so it drops to 1 thread at its first step, and says so (ddpipe.hostshare)."""
+    are 3 workers, so it drops to 1 thread at its first step, and says so (ddpipe.distributed.host_leases)."""
     log = tmp_path / "long.log"
     with log.open("w") as out:
         long = subprocess.Popen(torchrun(2, *args_for(tmp_path / "long", prepared, "num_epochs=200")), cwd=ROOT,
@@ -192,7 +192,7 @@ def test_a_training_started_beside_another_takes_its_share_of_the_cores(tmp_path
         while "epoch 1/200" not in log.read_text() and long.poll() is None and time.time() < deadline:
             time.sleep(0.2)
         assert long.poll() is None, log.read_text()[-3000:]
-        out = run(["python", "stages/train.py", *args_for(tmp_path / "short", prepared, "num_epochs=1")]).stdout
+        out = run(["python", "stages/train_worker.py", *args_for(tmp_path / "short", prepared, "num_epochs=1")]).stdout
     finally:
         os.killpg(long.pid, signal.SIGKILL)
         long.wait()
@@ -202,16 +202,16 @@ def test_a_training_started_beside_another_takes_its_share_of_the_cores(tmp_path
 @pytest.mark.slow
 def test_same_seed_twice_gives_the_same_metrics(tmp_path: Path, prepared: Path) -> None:
     for name in ("a", "b"):
-        run(["python", "stages/train.py", *args_for(tmp_path / name, prepared, "num_epochs=1")])
+        run(["python", "stages/train_worker.py", *args_for(tmp_path / name, prepared, "num_epochs=1")])
     a, b = (json.loads((tmp_path / n / "train.json").read_text())["train"] for n in ("a", "b"))
     for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy"):
         assert a[key] == b[key], key
 
 
 def _wrap_rank(rank: int, world: int) -> None:
-    from ddpipe.batchnorm import convert_sync_batchnorm
-    from ddpipe.ranks import DistInfo
-    from ddpipe.training import wrap
+    from ddpipe.core.ranks import DistInfo
+    from ddpipe.distributed.batchnorm import convert_sync_batchnorm
+    from ddpipe.engine.loop import wrap
 
     info = DistInfo(distributed=True, rank=rank, local_rank=rank, world_size=world, local_world_size=world,
                     num_nodes=1, device=torch.device("cpu"), backend="gloo", processes_on_host=world)

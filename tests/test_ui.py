@@ -35,7 +35,7 @@ def render(url: str, *extra: str) -> str:
 def test_mlflow_ui_opens_on_the_runs_table_and_compares_two_runs(tmp_path: Path, prepared: Path) -> None:
     for name, lr in (("lr-small", "0.001"), ("lr-large", "0.01")):
         args = args_for(tmp_path, prepared, "num_epochs=1", f"train.base_lr={lr}")
-        trained = run(["python", "stages/train.py", *args], env={**CLONE_ENV, "DVC_EXP_NAME": name})
+        trained = run(["python", "stages/train_worker.py", *args], env={**CLONE_ENV, "DVC_EXP_NAME": name})
         run(["python", "stages/evaluate.py", *args], env=CLONE_ENV)
     link = next(line.split()[0] for line in trained.stdout.splitlines() if "(runs table)" in line)
 

@@ -60,7 +60,7 @@ TORCHVISION_WEIGHTS = re.compile(r"^[A-Za-z0-9_]+_Weights\.[A-Za-z0-9_]+$")
 
 
 def _check_model(cfg: Config, set_in: dict[str, str]) -> None:
-    """model.name's form (whether it names a network: ddpipe.models.registry, at launch) and model.weights'
+    """model.name's form (whether it names a network: ddpipe.models.catalog, at launch) and model.weights'
     place: a local file must lie under paths.pretrained, the train stage's dependency, or DVC would not
     re-train when it changes."""
     name = cfg.model.name

@@ -11,39 +11,20 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-
-class ConfigError(ValueError):
-    """A parameter the user set is unknown, of the wrong type, or out of range."""
-
-
-def param(
-    default: Any, doc: str, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-    lt: float | None = None, choices: tuple[str, ...] | None = None, int_or: tuple[str, ...] | None = None,
-    num_or: tuple[str, ...] | None = None, words: str | None = None, trajectory: bool = True,
-) -> Any:
-    """A schema field: its default and a one-line doc; what it accepts beyond its type (bounds
-    ``ge``/``gt``/``le``/``lt``, ``choices``, ``int_or``: an integer (>= ``ge``, else >= 1) or one of these
-    words, ``num_or``: a number within the bounds or one of these words, or ``words``: what a key checked in
-    :func:`~ddpipe.config.checks.validate` accepts, in words); and
-    whether it shapes the training trajectory (``trajectory=False``: a run may resume from a checkpoint written
-    before a change to it)."""
-    rules = {"ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices, "int_or": int_or, "num_or": num_or,
-             "words": words}
-    rules = {name: rule for name, rule in rules.items() if rule is not None}
-    return field(default=default, metadata={"doc": doc, "trajectory": trajectory, **rules})
-
+# ConfigError is the schema's error: modules that check values import it from here
+from ddpipe.config.param import ConfigError, param  # noqa: F401
 
 DATASETS = ("fashion_mnist", "mnist", "cifar10", "imagefolder")
-EVAL_CROP_RATIO = 0.875  # data.eval_crop_ratio's default: the evaluation crop's side over the shorter side (224 of 256)
 # model.name: ddpipe's own networks by these names; any other word names a torchvision (or timm) classification
-# model, and "module:Class" a class of the user's (ddpipe.models.registry checks the name before any work)
+# model, and "module:Class" a class of the user's (ddpipe.models.catalog checks the name before any work)
 OWN_MODELS = ("resnet_small", "resnet_compact", "seed_cnn", "resnet18_cifar", "resnet34_cifar", "resnet50_cifar")
-# What a config written before torchvision's names were accepted meant by these (a small-image stem)
-RENAMED = {"resnet18": "resnet18_cifar", "resnet34": "resnet34_cifar", "resnet50": "resnet50_cifar"}
 
 
 @dataclass
 class DataConfig:
+    """The dataset and its splits, how the prepare stage stores its images, and what training and evaluation
+    read of them."""
+
     dataset: str = param("fashion_mnist", "Which dataset the fetch stage reads.", choices=DATASETS)
     source_dir: str = param(
         "data/source",
@@ -89,25 +70,29 @@ class DataConfig:
         "auto", "Encoded images: the side validation, the test split and the served model resize their centre crop "
         "to. Larger than image_size evaluates at a higher resolution than trained (FixRes: random-resized crops "
         "make objects look larger in training than in a centre crop of the same size). auto: the preset's share "
-        "of image_size (ddpipe.resolve.run.RECIPE_PRESETS; 9/8 for encoded images: 72 px for 64); null: image_size.",
+        "of image_size (ddpipe.engine.resolved.RECIPE_PRESETS; 9/8 for encoded images: 72 px for 64); null: "
+        "image_size.",
         int_or=("auto",), ge=8,
     )
     eval_crop_ratio: str = param(
         "auto", "Encoded images: the evaluation crop's side as a share of the shorter side (0.875: Resize(256) + "
-        "CenterCrop(224); 1.0 keeps the whole shorter side). auto: the preset's (ddpipe.resolve.run.RECIPE_PRESETS; "
-        "1.0 for encoded images).", num_or=("auto",), gt=0.0, le=1.0,
+        "CenterCrop(224); 1.0 keeps the whole shorter side). auto: the preset's "
+        "(ddpipe.engine.resolved.RECIPE_PRESETS; 1.0 for encoded images).", num_or=("auto",), gt=0.0, le=1.0,
     )
     num_workers: str = param(
         "auto", "DataLoader worker processes per rank that decode and augment (persistent, prefetching). auto: 0 "
-        "for raw data (a batch is one gather), else the rank's share of this host's cores (less one on CUDA, "
-        "half on CPU, where the training threads use them too).", int_or=("auto",), ge=0, trajectory=False,
+        "for raw data (a batch is one gather) unless train.auto_augment or train.random_erasing gives each image "
+        "work of its own, else the rank's share of this host's cores (less one on CUDA, half on CPU, where the "
+        "training threads use them too).", int_or=("auto",), ge=0, trajectory=False,
     )
 
 
 @dataclass
 class ModelConfig:
+    """The network: which one, built how, from which weights, and how it predicts in evaluation."""
+
     name: str = param(
-        "auto", "Network to train: auto (by device and input size, ddpipe.resolve.run.resolve; logged), one of "
+        "auto", "Network to train: auto (by device and input size, ddpipe.engine.resolved.resolve; logged), one of "
         "ddpipe's (" + ", ".join(OWN_MODELS) + "), any torchvision classification model by its name (resnet50, "
         "efficientnet_b0, convnext_tiny, vit_b_16, ...: its own ImageNet stem), a timm model when timm is installed, "
         "or module.path:ClassName (a class importable from the repository root, built with in_channels, "
@@ -132,6 +117,9 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
+    """How the train stage trains: batch and learning rate, optimizer and schedule, loss, augmentation, the
+    recipe's optional steps, fine-tuning, speed, checkpoints and which weights leave the run."""
+
     optimizer: str = param("adamw", "Optimizer.", choices=("adamw", "sgd"))
     base_lr: float = param(3e-3, "Learning rate for one process, before lr_scaling.", gt=0.0)
     lr_scaling: str = param(
@@ -198,9 +186,10 @@ class TrainConfig:
         "0", "Fine-tuning: train only the classifier head for this many epochs (the body's weights fixed, its "
         "BatchNorm in eval mode), then everything; all: the body stays frozen for good.", int_or=("all",), ge=0,
     )
-    # as the user set it; ddpipe.resolve.run holds the int it becomes (OmegaConf has no int-or-word type)
+    # as the user set it; ddpipe.engine.resolved holds the int it becomes (OmegaConf has no int-or-word type)
     batch_size_per_rank: str = param(
-        "auto", "Training micro-batch per process: an int, or auto (the device's default, with model.name's).",
+        "auto", "Training micro-batch per process: an int, or auto (by device and input size, from the same "
+        "table as model.name's auto: ddpipe.engine.resolved.AUTO_CHOICES).",
         int_or=("auto",),
     )
     eval_batch_size_per_rank: str = param(
@@ -221,8 +210,8 @@ class TrainConfig:
         2, "Raw images' augmentation: pad by this many pixels, then crop back (0 = off).", ge=0)
     min_crop_scale: str = param(
         "auto", "Encoded images' augmentation (random-resized crop, the ImageNet recipe): the smallest share of the "
-        "image's area a crop covers (ImageNet's 0.08). auto: the preset's (ddpipe.resolve.run.RECIPE_PRESETS; 0.35 "
-        "for encoded images).", num_or=("auto",), gt=0.0, le=1.0,
+        "image's area a crop covers (ImageNet's 0.08). auto: the preset's (ddpipe.engine.resolved.RECIPE_PRESETS; "
+        "0.35 for encoded images).", num_or=("auto",), gt=0.0, le=1.0,
     )
     hflip: bool = param(True, "Augmentation: random horizontal flips (turn off for digits).")
     checkpoint_every_steps: int = param(
@@ -242,7 +231,9 @@ class TrainConfig:
 
 @dataclass
 class DistributedConfig:
-    # nproc_per_node and nnodes as the user set them (auto, MIN:MAX); ddpipe.resolve.run.Job holds the ints they become
+    """The processes of a run (torchrun's launch, one node or several) and how they sum and stop together."""
+
+    # nproc_per_node and nnodes as the user set them (auto, MIN:MAX); ddpipe.engine.resolved.Job holds their ints
     nproc_per_node: str = param(
         "auto", "Processes per node: an int, or auto (one per GPU; on a CPU-only machine 1, using every core).",
         int_or=("auto",), trajectory=False,
@@ -262,7 +253,7 @@ class DistributedConfig:
     sync_batchnorm: bool = param(True, "Synchronise BatchNorm statistics across processes.")
     shared_memory: bool = param(
         True, "CPU, every rank on one host: SyncBatchNorm's and DDP's sums through shared memory instead of "
-        "gloo's sockets (ddpipe.hostcomm); same results, off: gloo for every sum.", trajectory=False,
+        "gloo's sockets (ddpipe.distributed.host_sums); same results, off: gloo for every sum.", trajectory=False,
     )
     exact: bool = param(
         False, "World-size-exact arithmetic (CPU): every sum over the batch in fp64, so 1 and N processes with "
@@ -283,6 +274,8 @@ class DistributedConfig:
 
 @dataclass
 class MlflowConfig:
+    """Where the train and evaluate stages record a run (MLflow), and what becomes of its model there."""
+
     tracking_uri: Optional[str] = param(
         None, "Where runs go. MLFLOW_TRACKING_URI wins; null: sqlite:///<repo root>/mlflow.db."
     )
@@ -312,8 +305,10 @@ TIME_LIMIT = re.compile(r"^(\d+-)?\d+(:\d\d){0,2}$")
 
 @dataclass
 class ClusterConfig:
-    """How ``python -m ddpipe.cluster submit`` sends DVC's queue to a scheduler (README, "Sweeps on a cluster").
-    Read from each queued experiment's own params, so one experiment may ask for more than another."""
+    """How ``python -m ddpipe.cluster submit`` sends DVC's queue to a scheduler (docs/cluster.md, "DVC's queue on a
+    cluster").
+    No stage reads it: the submit command reads it from each queued experiment's own params, so one experiment
+    may ask for more than another."""
 
     scheduler: str = param("slurm", "Where queued experiments run: slurm (sbatch) or kubernetes (an Indexed Job "
                            "per experiment, kubectl).", choices=("slurm", "kubernetes"))
@@ -351,10 +346,16 @@ class ClusterConfig:
 
 @dataclass
 class PathsConfig:
+    """Where each stage's files go. dvc.yaml interpolates them into the stages' deps and outs
+    (``${paths.model}``), so no stage lists them under ``params:``: a changed path changes the stages that
+    name it."""
+
     raw: str = param("data/raw", "Fetch stage output: verified copies of the dataset's files.")
     prepared: str = param("data/prepared", "Prepare stage output: per split memory-mapped raw pixels or encoded "
                           "shards with an index, plus meta.json.")
-    checkpoints: str = param("checkpoints", "Training checkpoints (persist: true in dvc.yaml).")
+    checkpoints: str = param(
+        "checkpoints", "Training checkpoints (git-ignored, not a DVC output: DVC never deletes them); a run "
+        "resumes from the newest of its own (the same trajectory keys, global batch and prepared data).")
     model: str = param("models/model.pt", "Final weights plus what rebuilds the model.")
     run_info: str = param("models/run.json", "The MLflow run id the evaluate stage logs to.")
     train_metrics: str = param("metrics/train.json", "Final training metrics (DVC metrics).")
@@ -370,6 +371,9 @@ class PathsConfig:
 
 @dataclass
 class Config:
+    """A run's whole configuration: ``seed`` and ``num_epochs`` at the top level (so ``dvc exp run -S
+    num_epochs=20`` needs no section), then one section per concern."""
+
     seed: int = param(42, "Seeds weights, splits and augmentation.", ge=0)
     num_epochs: int = param(10, "Training epochs.", ge=1)
     data: DataConfig = field(default_factory=DataConfig)

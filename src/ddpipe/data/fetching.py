@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from ddpipe.config.schema import DataConfig
+from ddpipe.core.files import atomic_dir, atomic_write_json
 from ddpipe.data.folders import list_imagefolder
 from ddpipe.data.verify import CIFAR_ARCHIVE, CIFAR_FOLDER, DataSourceError, required_files, verify_file
-from ddpipe.fsutil import atomic_dir, atomic_write_json
 
 DEBIAN_DIRS = {"fashion_mnist": "/usr/share/datasets/fashion-mnist", "mnist": "/usr/share/datasets/mnist"}
 

@@ -25,15 +25,15 @@ from typing import Any
 import numpy as np
 
 from ddpipe.config.schema import ConfigError, DataConfig
+from ddpipe.core.files import atomic_dir
 from ddpipe.data import images
+from ddpipe.data.encoding import SMALL_IMAGE_SIDE, data_encoding
 from ddpipe.data.folders import FileTable, list_imagefolder
 from ddpipe.data.formats import RawDataset, read_arrays
 from ddpipe.data.images import BadImage, channel_sums, mean_std
 from ddpipe.data.splits import make_splits, relabel, select_classes
 from ddpipe.data.store import Prepared, PreparedDataError, RawWriter, ShardWriter, write_labels
 from ddpipe.data.verify import DataSourceError
-from ddpipe.fsutil import atomic_dir
-from ddpipe.resolve.encoding import RAW_MAX_SIDE, data_encoding
 
 PROBE_CHUNK, ENCODE_CHUNK, ARRAY_CHUNK = 256, 32, 4096  # files (arrays: images) per piece of work
 IN_FLIGHT_PER_WORKER = 3  # chunks handed out ahead per worker: enough to keep it busy, few to hold
@@ -210,7 +210,7 @@ def _choose_encoding(cfg: DataConfig, probed: np.ndarray, rows: np.ndarray) -> s
     encoding, chosen = data_encoding(cfg, one_size, int(sizes.max(initial=0)))
     if chosen:
         why = "sizes vary" if not one_size else f"one size, {sizes[0][0]}x{sizes[0][1]}" + (
-            "" if encoding == "raw" else f", larger than {RAW_MAX_SIDE} px")
+            "" if encoding == "raw" else f", larger than {SMALL_IMAGE_SIDE} px")
         _say(f"encoding auto -> {encoding} ({why})")
     return encoding
 

@@ -3,7 +3,7 @@ same way at any world size.
 
 ``uniform`` (``train.sampler``): DistributedSampler's permutation (seeded by seed + epoch), every sample once.
 ``balanced``: as many draws with replacement, each class equally likely (torch's WeightedRandomSampler over
-the whole split, seeded the same way). Either is one global sequence that ``ddpipe.data.loading.TrainOrder``
+the whole split, seeded the same way). Either is one global sequence that ``ddpipe.data.loaders.TrainOrder``
 deals to the ranks as DistributedSampler does, so step ``s`` takes the same samples at any world size: the
 balanced sampler that DistributedSampler lacks (pytorch#77154), without a rank drawing its own.
 

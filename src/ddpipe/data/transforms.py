@@ -5,9 +5,10 @@ Raw images (small, one size) are augmented a batch at a time on the training dev
 and cropped one at a time in the loader's workers, by the ImageNet recipe of torchvision's reference
 scripts: for training a random-resized crop (``train.min_crop_scale`` to all of the area, aspect 3/4 to
 4/3) to ``data.image_size`` plus a flip (:class:`TrainCrop`); for validation, the test split and the
-served model the centre square of ``data.eval_crop_ratio`` of the shorter side (0.875 by default), resized to
-``data.eval_image_size`` (by default ``data.image_size``; FixRes: larger) (:class:`EvalCrop`: Resize(256) +
-CenterCrop(224), in one resampling). Images stay uint8 until
+served model the centre square of ``data.eval_crop_ratio`` of the shorter side (as resolved: the recipe's preset,
+the whole shorter side for encoded images; ImageNet's :data:`IMAGENET_CROP_RATIO` on request), resized to
+``data.eval_image_size`` (as resolved; FixRes: larger than ``data.image_size``) (:class:`EvalCrop`: as Resize +
+CenterCrop, in one resampling). Images stay uint8 until
 :class:`BatchTransform` normalises them on the device.
 
 Every random choice is a function of (seed, epoch, sample index), never of a generator's position: the
@@ -23,10 +24,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ddpipe.config.schema import EVAL_CROP_RATIO
 from ddpipe.data.augment import keyed_rng
 
 ASPECT_RANGE = (3 / 4, 4 / 3)  # the random-resized crop's aspect ratios (log-uniform)
+# ImageNet's evaluation crop, Resize(256) + CenterCrop(224): the crop's side over the shorter side. The crop of raw
+# images' preset (they are evaluated whole: no crop is taken) and of files written before the crop was recorded.
+IMAGENET_CROP_RATIO = 0.875
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +103,7 @@ def crop_resize(image: torch.Tensor, box: tuple[int, int, int, int], size: int) 
     return F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
 
 
-def centre_box(height: int, width: int, ratio: float = EVAL_CROP_RATIO) -> tuple[int, int, int, int]:
+def centre_box(height: int, width: int, ratio: float = IMAGENET_CROP_RATIO) -> tuple[int, int, int, int]:
     """The centre square of ``ratio`` of the shorter side."""
     side = max(1, round(min(height, width) * ratio))
     return (height - side) // 2, (width - side) // 2, side, side
@@ -146,7 +149,7 @@ class EvalCrop:
     """Evaluation view of one image of any size: the centre square of ``ratio`` of its shorter side, resized to
     ``size`` (validation, the evaluate stage and the served model all use this)."""
 
-    def __init__(self, size: int, ratio: float = EVAL_CROP_RATIO) -> None:
+    def __init__(self, size: int, ratio: float = IMAGENET_CROP_RATIO) -> None:
         self.size, self.ratio = size, ratio
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:

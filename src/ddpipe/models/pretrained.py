@@ -28,7 +28,7 @@ from torch import nn
 
 from ddpipe.config.checks import TORCHVISION_WEIGHTS
 from ddpipe.config.schema import ConfigError
-from ddpipe.models.registry import classifier_head, first_conv
+from ddpipe.models.catalog import classifier_head, first_conv
 from ddpipe.models.saved import is_saved_model
 
 

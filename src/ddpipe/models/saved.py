@@ -3,6 +3,7 @@ class names, loadable with ``torch.load(weights_only=True)``.
 
 ``build_model(cfg, num_channels, num_classes)`` is what rebuilds it, so the file records exactly these three
 inputs (``model.name``, ``model.kwargs``, ``model.width``; a ``module:Class`` network is imported again).
+The file records its format (``format_version``, :data:`MODEL_FORMAT`), read before anything else in it.
 """
 
 from __future__ import annotations
@@ -14,24 +15,32 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpipe.config.schema import EVAL_CROP_RATIO, RENAMED, ModelConfig
-from ddpipe.fsutil import atomic_save
-from ddpipe.models.registry import build_model
+from ddpipe.config.schema import ModelConfig
+from ddpipe.core.files import atomic_save
+from ddpipe.data.transforms import IMAGENET_CROP_RATIO
+from ddpipe.models.catalog import RENAMED, build_model
+
+# The saved model's format, written into the file as ``format_version``. 0: written before format versions existed
+# (no key; see _from_format_0); 1: every field of SavedModel present.
+MODEL_FORMAT = 1
 
 
 def save_model(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, meta: dict, path: str | Path,
                extra: dict | None = None) -> None:
     """Weights plus what rebuilds the network, its input normalisation and class names. ``meta``: the prepared
     data's ``meta.json`` fields (``dataclasses.asdict`` of ``ddpipe.data.store.Prepared``, with ``image_size``
-    the input the network takes and ``mean``/``std`` the normalisation it was trained with); ``extra`` adds
-    plain values (e.g. the exported epoch). ``encoding`` says how a client's image becomes that input: resized
-    (raw), or centre-cropped and resized (encoded: ``ddpipe.data.transforms.EvalCrop``)."""
+    the input the network takes and ``mean``/``std`` the normalisation it was trained with); ``extra`` sets
+    the exported epoch, the weights exported (raw or ema) and the evaluation crop (else: none, raw, ImageNet's)
+    and adds plain values. ``encoding`` says how a client's image becomes that input: resized (raw), or
+    centre-cropped and resized (encoded: ``ddpipe.data.transforms.EvalCrop``)."""
     payload = {
+        "format_version": MODEL_FORMAT,
         "state_dict": {k: v.detach().cpu().contiguous() for k, v in state_dict.items()},
         "model": asdict(cfg),
         "num_channels": meta["num_channels"], "classes": list(meta["classes"]),
         "mean": list(meta["mean"]), "std": list(meta["std"]), "image_size": list(meta["image_size"]),
         "encoding": meta["encoding"],
+        "exported_epoch": None, "exported_weights": "raw", "eval_crop_ratio": IMAGENET_CROP_RATIO,
         **(extra or {}),
     }
     atomic_save(path, lambda f: torch.save(payload, f))
@@ -42,7 +51,7 @@ class SavedModel:
     """A :func:`save_model` file read by name (on disk it is the plain dict that ``weights_only`` loads)."""
 
     state_dict: dict[str, torch.Tensor]
-    model: ModelConfig  # what rebuilds the network (keys of older files: today's defaults, eval_flips off)
+    model: ModelConfig  # what rebuilds the network
     num_channels: int
     classes: list[str]
     mean: list[float]  # the input normalisation the network was trained with
@@ -50,22 +59,37 @@ class SavedModel:
     image_size: list[int]  # the input the network takes, [H, W] (encoded: data.eval_image_size)
     encoding: str  # how a client's image becomes that input: raw (resized) or encoded (centre crop, resize)
     exported_epoch: int | None
-    eval_crop_ratio: float = EVAL_CROP_RATIO  # encoded: the centre crop's share of the shorter side
-    exported_weights: str = "raw"  # raw, or ema: the moving average of the weights (ddpipe.ema)
+    eval_crop_ratio: float  # encoded: the centre crop's share of the shorter side
+    exported_weights: str  # raw, or ema: the moving average of the weights (ddpipe.engine.ema)
 
     @classmethod
-    def from_payload(cls, payload: dict[str, Any]) -> SavedModel:
-        known = {f.name for f in fields(ModelConfig)}
-        # models saved before model.eval_flips existed predicted without flips
-        model = ModelConfig(**{"eval_flips": False, **{k: v for k, v in payload["model"].items() if k in known}})
-        return cls(state_dict=payload["state_dict"], model=model, num_channels=int(payload["num_channels"]),
-                   classes=list(payload["classes"]), mean=list(payload["mean"]), std=list(payload["std"]),
-                   image_size=[int(s) for s in payload["image_size"]],
-                   encoding=payload.get("encoding", "raw"),  # models saved before encoded data: raw
-                   exported_epoch=payload.get("exported_epoch"),
-                   # models saved before these keys: the fixed crop of that time, raw weights
-                   eval_crop_ratio=float(payload.get("eval_crop_ratio", EVAL_CROP_RATIO)),
-                   exported_weights=str(payload.get("exported_weights", "raw")))
+    def from_payload(cls, payload: dict[str, Any], source: str | Path = "the saved model") -> SavedModel:
+        """The fields of a :func:`save_model` file (loaded from ``source``), its format read first: ValueError for
+        a format newer than :data:`MODEL_FORMAT`, older ones brought to today's."""
+        version = int(payload.get("format_version", 0))
+        if version > MODEL_FORMAT:
+            raise ValueError(f"{source}: saved-model format {version} is newer than this ddpipe reads (formats up to "
+                             f"{MODEL_FORMAT}): load it with the ddpipe that saved it")
+        if version < 1:
+            payload = _from_format_0(payload)
+        return cls(state_dict=payload["state_dict"], model=ModelConfig(**payload["model"]),
+                   num_channels=int(payload["num_channels"]), classes=list(payload["classes"]),
+                   mean=list(payload["mean"]), std=list(payload["std"]),
+                   image_size=[int(s) for s in payload["image_size"]], encoding=payload["encoding"],
+                   exported_epoch=payload["exported_epoch"], eval_crop_ratio=float(payload["eval_crop_ratio"]),
+                   exported_weights=str(payload["exported_weights"]))
+
+
+def _from_format_0(payload: dict[str, Any]) -> dict[str, Any]:
+    """A file written before format versions existed, as format 1 holds it. Its fields arrived one at a time
+    (model.eval_flips, then encoding, then the exported weights and the evaluation crop) and it does not say which
+    step wrote it, so here, and only here, a field's absence tells the step."""
+    known = {f.name for f in fields(ModelConfig)}  # the network's keys it lacks: today's defaults
+    model = {k: v for k, v in payload["model"].items() if k in known}
+    # before model.eval_flips existed, models predicted without flips; before encoded data, images were resized
+    # (raw); before the other keys, no epoch was recorded, the weights were the raw ones, the crop the fixed one
+    return {"encoding": "raw", "exported_epoch": None, "exported_weights": "raw",
+            "eval_crop_ratio": IMAGENET_CROP_RATIO, **payload, "model": {"eval_flips": False, **model}}
 
 
 def is_saved_model(payload: object) -> bool:
@@ -75,7 +99,7 @@ def is_saved_model(payload: object) -> bool:
 
 def load_model(path: str | Path) -> tuple[nn.Module, SavedModel]:
     """The network saved by :func:`save_model` (on the CPU, in eval mode), and the file's fields."""
-    saved = SavedModel.from_payload(torch.load(path, map_location="cpu", weights_only=True))
+    saved = SavedModel.from_payload(torch.load(path, map_location="cpu", weights_only=True), path)
     cfg = saved.model
     model = build_model(cfg, saved.num_channels, len(saved.classes))
     try:

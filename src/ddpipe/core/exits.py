@@ -1,0 +1,23 @@
+"""How a training that was asked to stop ends: the signals that ask (a scheduler's), the exception that carries
+the stop out of the loop and the exit code that says "run the same command to resume". Plain definitions, so what
+only reads them (the tracker, and through it the evaluate stage) imports nothing of ``ddpipe.distributed``
+(``ddpipe.distributed.preemption`` turns the signals into a stop every rank agrees on)."""
+
+from __future__ import annotations
+
+import signal
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+# EX_TEMPFAIL (sysexits.h): "a temporary failure; the user is invited to retry". A training that
+# stopped for a signal with its progress saved exits with it; the same command resumes.
+EXIT_PREEMPTED = 75
+
+
+class Preempted(BaseException):
+    """Training stopped for a stop signal at a step boundary, its progress saved. A BaseException, like
+    KeyboardInterrupt: no ``except Exception`` swallows it on its way out."""
+
+    def __init__(self, signum: int, epoch: int, step: int) -> None:
+        self.signum, self.epoch, self.step = signum, epoch, step
+        super().__init__(f"stopped by {signal.Signals(signum).name} at epoch {epoch + 1}, step {step}")

@@ -1,0 +1,59 @@
+"""What a finished training leaves, the train stage's DVC outputs: the model file (``paths.model``), its
+metrics (``paths.train_metrics``), the per-epoch history DVC plots (``paths.history``) and the MLflow run the
+evaluate stage logs to (``paths.run_info``); then the exported model goes into that run. Written by global
+rank 0 only, each file atomically."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from ddpipe.core.files import atomic_write_json, atomic_write_text
+from ddpipe.core.ranks import DistInfo
+from ddpipe.data.store import Prepared
+from ddpipe.engine.meters import EpochStats
+from ddpipe.engine.resolved import Resolved
+from ddpipe.models.saved import save_model
+from ddpipe.tracking.outbox import write_run_info
+from ddpipe.tracking.tracker import Tracker
+
+
+@dataclass
+class TrainingOutputs:
+    """What a finished training leaves: the exported weights and the run's metrics and history."""
+
+    weights: dict[str, Any]
+    exported_epoch: int
+    exported_weights: str  # raw, or ema (the moving average: ddpipe.engine.ema)
+    metrics: dict[str, float]
+    history: list[EpochStats]
+    data: Prepared  # the input the saved model takes
+    example_images: Any  # a few validation images (uint8, N x C x H x W): the logged model's input example
+
+
+def save_outputs(run: Resolved, outputs: TrainingOutputs, tracker: Tracker, info: DistInfo) -> None:
+    """On global rank 0: write ``paths.model``, the DVC metrics and plots files and ``paths.run_info`` (the run of
+    ``tracker``), then log the model into that run (``mlflow.log_model``). Every other rank: nothing."""
+    if not info.is_main:
+        return
+    cfg, paths = run.cfg, run.cfg.paths
+    save_model(outputs.weights, run.model, asdict(outputs.data), paths.model,
+               extra={"exported_epoch": outputs.exported_epoch, "exported_weights": outputs.exported_weights,
+                      "eval_crop_ratio": run.eval_crop_ratio})
+    atomic_write_json(paths.train_metrics, {"train": outputs.metrics})
+    atomic_write_text(paths.history, history_csv(outputs.history))
+    write_run_info(paths.run_info, tracker.store_id() or "", tracker.uri)
+    tracker.log_metrics({"best_epoch": outputs.metrics["best_epoch"], "exported_epoch": outputs.exported_epoch})
+    if cfg.mlflow.log_model:
+        example = outputs.example_images.numpy()  # as a client has them: uint8, N x H x W for grey
+        tracker.log_model(Path(paths.model), example[:, 0] if example.shape[1] == 1 else example, run.model_name)
+    tracker.print_link()
+
+
+def history_csv(history: list[EpochStats]) -> str:
+    """The per-epoch history as CSV (``paths.history``, DVC's plots)."""
+    keys = [f.name for f in fields(EpochStats)  # the weight average's columns only when it was kept
+            if f.default is MISSING or any(getattr(h, f.name) is not None for h in history)]
+    lines = [",".join(keys)] + [",".join(f"{getattr(h, k):.6g}" for k in keys) for h in history]
+    return "\n".join(lines) + "\n"
