@@ -45,8 +45,11 @@ RUNS: list[tuple[str, int, list[str]]] = [
     ("folder-1", 1, ["data.dataset=imagefolder", "data.source_dir={tmp}/images", "data.image_size=32",
                      "paths.prepared={tmp}/folder-prepared", "model.name=resnet_small"]),
 ]
+# weights_sha256: the digest of the fine-tuning's weights file, the first run's model.pt, whose bytes carry the saved
+# model's format version; its tensors are compared bit for bit under that run's "model"
 VOLATILE = ("seconds", "images_per_s", "time", "host", "pid", "git", "version", "threads", "system/", "run_id",
-            "outbox", "tracking_uri", "paths.", "weights_source", "data.source_dir", "model.weights", "python")
+            "outbox", "tracking_uri", "paths.", "weights_source", "weights_sha256", "data.source_dir", "model.weights",
+            "python")
 
 
 def _sha(data: bytes) -> str:
