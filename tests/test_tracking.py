@@ -41,6 +41,17 @@ def _client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
+def _journal_of_a_new_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, experiment: str):
+    """(client, run id, the run's outbox journal) of a new run of ``experiment`` in a sqlite store under tmp_path."""
+    from ddpipe.tracking.outbox import Journal
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = _client(uri)
+    run_id = client.create_run(client.create_experiment(experiment)).info.run_id
+    return client, run_id, Journal(tmp_path / "outbox", run_id, uri)
+
+
 def test_only_global_rank_zero_tracks() -> None:
     two_nodes = {"distributed": True, "world_size": 2, "num_nodes": 2, "backend": "gloo"}
     assert isinstance(make_tracker(MlflowConfig(), DistInfo(rank=0, **two_nodes)), MlflowTracker)
@@ -208,13 +219,8 @@ def test_a_store_that_cannot_be_opened_never_takes_training_down(monkeypatch: py
 
 def test_a_journal_sent_twice_stores_each_record_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A crash between a delivery and the note of its offset sends the same lines again: nothing is doubled."""
-    from ddpipe.tracking.outbox import Journal
 
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    client = _client(uri)
-    run_id = client.create_run(client.create_experiment("resend")).info.run_id
-    journal = Journal(tmp_path / "outbox", run_id, uri)
+    client, run_id, journal = _journal_of_a_new_run(monkeypatch, tmp_path, "resend")
     journal.append("params", params={"seed": 1})
     for epoch in (1, 2, 3):
         journal.append("metrics", metrics=[["val_accuracy", 0.5 + epoch / 10, 1_700_000_000_000 + epoch, epoch]])
@@ -399,13 +405,9 @@ def test_a_journal_written_before_format_versions_is_delivered(monkeypatch: pyte
                                                                tmp_path: Path) -> None:
     """Records of format 0, lines as Journal.append wrote them before records carried their format ("v"), waiting
     in an outbox across the upgrade: delivered as they were, in order, beside today's."""
-    from ddpipe.tracking.outbox import FORMAT_KEY, RECORD_FORMAT, Journal
+    from ddpipe.tracking.outbox import FORMAT_KEY, RECORD_FORMAT
 
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    client = _client(uri)
-    run_id = client.create_run(client.create_experiment("old-journal")).info.run_id
-    journal = Journal(tmp_path / "outbox", run_id, uri)
+    client, run_id, journal = _journal_of_a_new_run(monkeypatch, tmp_path, "old-journal")
     old = [{"op": "params", "params": {"seed": 1}},
            {"op": "metrics", "metrics": [["val_accuracy", 0.6, 1_700_000_000_001, 1]]},
            {"op": "tags", "tags": {"ddpipe.note": "old"}}]
@@ -427,13 +429,9 @@ def test_a_journal_written_before_format_versions_is_delivered(monkeypatch: pyte
 def test_a_record_newer_than_this_code_waits_for_the_ddpipe_that_wrote_it(monkeypatch: pytest.MonkeyPatch,
                                                                          tmp_path: Path) -> None:
     """Delivered up to it; it and what follows wait, neither sent nor set aside, and the delivery says why."""
-    from ddpipe.tracking.outbox import FORMAT_KEY, RECORD_FORMAT, Journal
+    from ddpipe.tracking.outbox import FORMAT_KEY, RECORD_FORMAT
 
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    client = _client(uri)
-    run_id = client.create_run(client.create_experiment("newer")).info.run_id
-    journal = Journal(tmp_path / "outbox", run_id, uri)
+    client, run_id, journal = _journal_of_a_new_run(monkeypatch, tmp_path, "newer")
     journal.append("params", params={"seed": 1})
     newer = {FORMAT_KEY: RECORD_FORMAT + 1, "op": "tags", "tags": {"a": "b"}}
     with open(journal.path, "a") as f:
