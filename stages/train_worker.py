@@ -25,15 +25,20 @@ def main() -> None:
     cfg = load_or_exit(sys.argv[1:], "stages/train.py")
     with user_errors(PreparedDataError):
         run = worker_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    from ddpipe.core.claims import InUse
     from ddpipe.core.exits import EXIT_PREEMPTED, Preempted
     from ddpipe.engine.loop import train
 
     try:
-        train(run)
+        with user_errors(InUse):  # another training writes the same directories: refused before writing
+            train(run)
     except Preempted as exc:  # the run is KILLED in MLflow; the same command resumes it
         print(f"training {exc}; run the same command to resume from the newest checkpoint "
               f"(exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_PREEMPTED) from None
+        # all is saved and closed: leave now, without the seconds the C++ teardown of a process group takes when
+        # its store went with a killed torchrun agent (a scheduler's grace period, or a kill's, is short)
+        sys.stdout.flush()
+        os._exit(EXIT_PREEMPTED)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from tests.conftest import (
     prepare_generated_folder,
     run,
     same_weights,
-    sleep_into_second_epoch,
     subprocess_env,
     wait_for_step_checkpoint,
     weights,
@@ -132,6 +131,17 @@ def test_sigterm_to_the_launcher_exits_75_and_the_same_command_resumes_equal(
     assert same_weights(weights(tmp_path / "model.pt"), uninterrupted)
 
 
+def _checkpoint_every_2_steps(clone: Path) -> None:
+    """The clone's checkpoints gone, and a step checkpoint every 2 steps (not part of the run's fingerprint): a test
+    that waits for epoch 2's step-2 checkpoint signals inside epoch 2 however fast or slow the host runs."""
+    for old in (clone / "checkpoints").glob("ckpt-*.pt"):
+        old.unlink()
+    params = clone / "params.yaml"
+    text = params.read_text()
+    assert text.count("  checkpoint_every_steps: 0") == 1
+    params.write_text(text.replace("  checkpoint_every_steps: 0", "  checkpoint_every_steps: 2"))
+
+
 def _group_gone(leader: subprocess.Popen, seconds: float) -> bool:
     """Whether every process of ``leader``'s group (torchrun, its workers) has ended within ``seconds``."""
     deadline = time.time() + seconds
@@ -153,15 +163,14 @@ def test_sigterm_to_dvc_repro_leaves_a_step_checkpoint_and_the_next_repro_resume
     model = repro_clone / "models" / "model.pt"
     reference = weights(model)
     lock = (repro_clone / "dvc.lock").read_text()
-    for old in (repro_clone / "checkpoints").glob("ckpt-*.pt"):
-        old.unlink()
+    _checkpoint_every_2_steps(repro_clone)
     log = repro_clone / "repro.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(["dvc", "repro", "--force", "train"], cwd=repro_clone, stdout=out,
                                 stderr=subprocess.STDOUT, env=subprocess_env(CLONE_ENV), start_new_session=True)
         gone = False
         try:
-            sleep_into_second_epoch(log.read_text, lambda: proc.poll() is None)
+            wait_for_step_checkpoint(repro_clone / "checkpoints", 2, 2, lambda: proc.poll() is None)
             os.killpg(proc.pid, signal.SIGTERM)
             gone = _group_gone(proc, 120)
             assert gone, "processes of the stopped `dvc repro` are still running"
@@ -236,3 +245,136 @@ def test_a_training_stopped_at_two_processes_resumes_at_one_and_takes_the_same_s
             "now 1") in resumed.stdout, resumed.stdout[-3000:]
     print(f"stopped at 2 processes at epoch {epoch}, step {step}; resumed at 1")
     assert same_weights(weights(tmp_path / "model.pt"), weights(whole / "model.pt"))
+
+
+def _training_processes(marker: str) -> list[psutil.Process]:
+    """The processes on this host whose command line or working directory names ``marker`` (a test's own directory):
+    a launcher, its torchrun, the workers and their loader workers (forked, the same command line)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "cwd", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and p.pid != os.getpid() and (
+                    any(marker in a for a in p.info["cmdline"] or ()) or marker == (p.info["cwd"] or "")):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _none_left_within(marker: str, seconds: float) -> list[psutil.Process]:
+    """Poll until no process of ``marker``'s training is left, at most ``seconds``; those still there."""
+    deadline = time.time() + seconds
+    while (left := _training_processes(marker)) and time.time() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def _kill_all(marker: str) -> None:
+    for p in _training_processes(marker):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+@pytest.mark.slow
+def test_sigkill_to_the_launchers_process_group_leaves_no_worker_and_the_same_command_resumes_equal(
+        tmp_path: Path, prepared: Path, uninterrupted: dict[str, torch.Tensor]) -> None:
+    """`kill -9 -PGID` of `python -m ddpipe.launch` in epoch 2 (the OOM killer, a closed session's supervisor): the
+    launcher and torchrun die at once, the workers (in sessions of their own) notice, stop at the next step after
+    rank 0's checkpoint, and are gone within 5 s; meanwhile a second training on the same directories is refused
+    before any worker starts, naming the first's pid; the same command then resumes and ends bit-equal."""
+    log, marker = tmp_path / "log.txt", str(tmp_path)
+    cmd = launch(tmp_path, prepared, *EVERY_2)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            _train_workers(proc, 2)
+            second = run(cmd, env=CLONE_ENV, check=False, timeout=300)
+            assert second.returncode != 0 and "torch.distributed.run" not in second.stdout, second.stdout[-2000:]
+            assert f"pid {proc.pid}" in second.stderr and f"kill {proc.pid}" in second.stderr, second.stderr[-2000:]
+            wait_for_step_checkpoint(tmp_path / "ckpt", 2, 2, lambda: proc.poll() is None)
+            os.killpg(proc.pid, signal.SIGKILL)
+            killed = time.time()
+            proc.wait()
+            left = _none_left_within(marker, 5.0)
+            assert not left, f"still running 5 s after the kill: {[p.info['cmdline'] for p in left]}"
+            print(f"every process gone {time.time() - killed:.1f} s after the SIGKILL")
+        finally:
+            _kill_all(marker)
+    text = log.read_text()
+    assert "the torchrun agent" in text or "the launcher" in text, text[-3000:]
+    (sig, epoch, step), = set(STOPPED.findall(text))  # both ranks stopped at one step, after its checkpoint
+    assert sig == "SIGTERM" and epoch == "2", text[-3000:]
+
+    resumed = run(cmd, env=CLONE_ENV)
+    assert "taking it over" in resumed.stderr and f"pid {proc.pid}" in resumed.stderr, resumed.stderr[-2000:]
+    assert f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step}" in resumed.stdout
+    print(f"stopped at epoch {epoch}, step {step}")
+    assert same_weights(weights(tmp_path / "model.pt"), uninterrupted)
+
+
+@pytest.mark.slow
+def test_sigkill_to_the_torchrun_agent_alone_stops_its_workers_and_the_same_command_resumes_equal(
+        tmp_path: Path, prepared: Path, uninterrupted: dict[str, torch.Tensor]) -> None:
+    """SIGKILL to torchrun alone in epoch 2: its workers stop at the next step after a checkpoint, the launcher waits
+    for them (they still hold the training's directories) and exits 137, leaving nothing running; the same command
+    resumes and ends bit-equal."""
+    log, marker = tmp_path / "log.txt", str(tmp_path)
+    cmd = launch(tmp_path, prepared, *EVERY_2)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            workers = _train_workers(proc, 2)
+            agent = psutil.Process(workers[0].ppid())
+            assert "torch.distributed.run" in " ".join(agent.cmdline())
+            wait_for_step_checkpoint(tmp_path / "ckpt", 2, 2, lambda: proc.poll() is None)
+            agent.kill()
+            assert proc.wait(timeout=120) == 128 + signal.SIGKILL
+            left = _none_left_within(marker, 2.0)
+            assert not left, f"still running after the launcher ended: {[p.info['cmdline'] for p in left]}"
+        finally:
+            _kill_all(marker)
+    text = log.read_text()
+    assert "was killed by SIGKILL" in text and "the torchrun agent" in text, text[-3000:]
+    (sig, epoch, step), = set(STOPPED.findall(text))
+    assert sig == "SIGTERM" and epoch == "2", text[-3000:]
+    resumed = run(cmd, env=CLONE_ENV)
+    assert f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step}" in resumed.stdout
+    print(f"stopped at epoch {epoch}, step {step}")
+    assert same_weights(weights(tmp_path / "model.pt"), uninterrupted)
+
+
+@pytest.mark.slow
+def test_sigkill_to_dvc_repro_leaves_a_step_checkpoint_and_the_next_repro_resumes_equal(repro_clone: Path) -> None:
+    """`dvc repro` SIGKILLed as a process group mid-epoch (DVC's lock goes with it): the workers stop after a
+    checkpoint and are gone within 5 s, dvc.lock is unchanged, and the next `dvc repro` resumes from that step (the
+    killed training's lock taken over, no traceback) and ends with the uninterrupted `dvc repro`'s weights."""
+    model = repro_clone / "models" / "model.pt"
+    reference = weights(model)
+    lock = (repro_clone / "dvc.lock").read_text()
+    _checkpoint_every_2_steps(repro_clone)
+    log, marker = repro_clone / "repro.log", str(repro_clone)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["dvc", "repro", "--force", "train"], cwd=repro_clone, stdout=out,
+                                stderr=subprocess.STDOUT, env=subprocess_env(CLONE_ENV), start_new_session=True)
+        try:
+            wait_for_step_checkpoint(repro_clone / "checkpoints", 2, 2, lambda: proc.poll() is None)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            left = _none_left_within(marker, 5.0)
+            assert not left, f"still running 5 s after the kill: {[p.info['cmdline'] for p in left]}"
+        finally:
+            _kill_all(marker)
+    text = log.read_text()
+    (sig, epoch, step), = set(STOPPED.findall(text))
+    assert sig == "SIGTERM" and epoch == "2", text[-3000:]
+    assert (repro_clone / "dvc.lock").read_text() == lock
+
+    again = run(["dvc", "repro"], cwd=repro_clone, env=CLONE_ENV, timeout=900)
+    assert "Traceback" not in again.stdout + again.stderr, (again.stdout + again.stderr)[-3000:]
+    assert f"resuming from checkpoints at epoch {epoch}, step {step}" in again.stdout, again.stdout[-3000:]
+    print(f"stopped at epoch {epoch}, step {step}")
+    assert same_weights(weights(model), reference)

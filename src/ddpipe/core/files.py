@@ -84,3 +84,18 @@ def replace_dir(staging: Path, target: Path) -> None:
     _fsync_dir(target.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def partial_files(directory: str | Path) -> list[Path]:
+    """What the writes above left half-done in ``directory`` when their process was killed: hidden temp files of
+    :func:`atomic_open` and staging directories of :func:`atomic_dir` (only safe to remove while no writer lives)."""
+    directory = Path(directory)
+    return sorted([*directory.glob(".*.tmp"), *(p for p in directory.glob(".*.tmp*") if p.is_dir())])
+
+
+def remove_partial(paths: list[Path]) -> None:
+    for path in paths:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)

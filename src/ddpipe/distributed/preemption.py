@@ -12,17 +12,29 @@ the same answer at the same step even when the signal reached them at different 
 with the next step); when it says stop, global rank 0 writes a checkpoint of that step and every
 rank raises ``ddpipe.core.exits.Preempted``. The process exits with ``EXIT_PREEMPTED``, and running the same
 command again resumes from that step, ending with exactly the weights of an uninterrupted run.
+
+A launcher that dies is a stop too (:func:`follow_launcher`). torchrun starts its workers in sessions of their own,
+so a SIGKILL to the launcher's process group (``kill -9 -PGID``, the out-of-memory killer, a closed session's
+supervisor) leaves them running, orphaned. Each worker watches the torchrun agent that started it and the
+``python -m ddpipe.launch`` above it (:data:`LAUNCHER_ENV`); when either ends, by any signal, the worker sends
+itself SIGTERM: inside the training loop it stops at the next step after rank 0's checkpoint, exactly as a
+preemption does (every rank of every node agrees on that step), and anywhere else it ends at once.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import stat
 import sys
+import threading
+import time
 from typing import Any
 
 import torch
 
 from ddpipe.core.exits import STOP_SIGNALS, Preempted
+from ddpipe.core.processes import alive, start_time
 from ddpipe.core.ranks import DistInfo
 from ddpipe.distributed.group import flag_group, start_max
 
@@ -76,3 +88,59 @@ class StopRequests:
         flag = torch.tensor([self.signum], dtype=torch.int32)
         self._pending = (start_max(flag, self._group), flag)
         return answer
+
+
+# Set by ddpipe.launch for the torchrun it starts: "PID START" of the launcher (its start time, as
+# ddpipe.core.processes.start_time gives it), which every worker follows
+LAUNCHER_ENV = "DDPIPE_LAUNCHER"
+FOLLOW_EVERY_S = 0.5
+
+
+def launcher_env() -> dict[str, str]:
+    """What the launcher puts in torchrun's environment so that the workers follow it."""
+    return {LAUNCHER_ENV: f"{os.getpid()} {start_time(os.getpid()) or ''}"}
+
+
+def follow_launcher(label: str) -> threading.Thread | None:
+    """Under torchrun or ddpipe.launch: a daemon thread that stops this worker (SIGTERM to itself) once the torchrun
+    agent that started it or the launcher above it has ended; None for a process started otherwise (a plain
+    ``python stages/train_worker.py`` goes on when its shell ends, as ``nohup`` users expect). ``label``: how the
+    note names this process (its rank)."""
+    watched: dict[str, tuple[int, str | None]] = {}
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        parent = os.getppid()
+        watched["torchrun agent"] = (parent, start_time(parent) if parent != 1 else None)
+    if spec := os.environ.get(LAUNCHER_ENV, "").split():
+        watched["launcher (python -m ddpipe.launch)"] = (int(spec[0]), spec[1] if len(spec) > 1 else None)
+    if not watched:
+        return None
+    thread = threading.Thread(target=_follow, args=(watched, label), name="ddpipe-follow-launcher", daemon=True)
+    thread.start()
+    return thread
+
+
+def _follow(watched: dict[str, tuple[int, str | None]], label: str) -> None:
+    while True:
+        for name, (pid, started) in watched.items():
+            if pid == 1 or not alive(pid, started):  # pid 1: the agent was gone before this worker looked
+                quiet_orphaned_output()
+                print(f"{label}: the {name} (pid {pid}) has ended: stopping at the next step, after a checkpoint",
+                      file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+        time.sleep(FOLLOW_EVERY_S)
+
+
+def quiet_orphaned_output() -> None:
+    """Point stdout and stderr at /dev/null where they are a pipe or a socket: its reader (the launcher, a ``| tee``
+    in the killed group) is likely gone, and a write to it would raise BrokenPipeError in the middle of the stop. A
+    file (a log) or a terminal keeps the last lines."""
+    null = None
+    for fd in (1, 2):
+        try:
+            if not (stat.S_ISFIFO(os.fstat(fd).st_mode) or stat.S_ISSOCK(os.fstat(fd).st_mode)):
+                continue
+            null = null if null is not None else os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, fd)
+        except OSError:
+            continue

@@ -26,7 +26,7 @@ from ddpipe.distributed import group as dd
 from ddpipe.distributed.batchnorm import CPUSyncBatchNorm
 from ddpipe.distributed.exact import clip_grad_norm_ as exact_clip_grad_norm_
 from ddpipe.distributed.host_leases import HostShare
-from ddpipe.distributed.preemption import StopRequests
+from ddpipe.distributed.preemption import StopRequests, follow_launcher
 from ddpipe.engine.assembly import Network, build_network
 from ddpipe.engine.checkpoint import Checkpointer, Position, run_fingerprint
 from ddpipe.engine.ema import WeightAverage
@@ -36,7 +36,7 @@ from ddpipe.engine.optimizer import Optimization
 from ddpipe.engine.progress import make_progress
 from ddpipe.engine.resolved import Resolved
 from ddpipe.engine.selection import ModelSelection
-from ddpipe.engine.stage_outputs import TrainingOutputs, save_outputs
+from ddpipe.engine.stage_outputs import TrainingOutputs, hold_training, save_outputs
 from ddpipe.tracking.system_metrics import NoSystemMetrics, monitor_node
 from ddpipe.tracking.tracker import make_tracker
 
@@ -295,9 +295,11 @@ def train(run: Resolved) -> dict[str, float]:
     (SIGTERM, SIGUSR1: it stops at a step after a checkpoint, see ddpipe.distributed.preemption) closes its MLflow run
     as FAILED or KILLED, saying why."""
     cfg = run.cfg
+    follow_launcher(f"rank {os.environ.get('RANK', '0')}")  # a worker whose launcher dies stops as if preempted
     info = dd.init_distributed(cfg.distributed, run.backend)
-    trainer = None
+    trainer = claim = None
     try:
+        claim = hold_training(cfg, info)  # before anything is written: InUse if another training writes here
         info = dd.open_host_sums(cfg.distributed, info)  # shared memory where distributed.shared_memory allows
         run.check_world_size(info.world_size)  # the job formed: an epoch has an optimizer step at its size
         share = HostShare(cfg.distributed.threads_per_process, info.processes_on_host, info.device.type == "cpu")
@@ -315,4 +317,6 @@ def train(run: Resolved) -> dict[str, float]:
     finally:
         if trainer is not None:
             trainer.data.loader.close()
+        if claim is not None:
+            claim.release()
         dd.cleanup()

@@ -1,14 +1,21 @@
 """What a finished training leaves, the train stage's DVC outputs: the model file (``paths.model``), its
 metrics (``paths.train_metrics``), the per-epoch history DVC plots (``paths.history``) and the MLflow run the
 evaluate stage logs to (``paths.run_info``); then the exported model goes into that run. Written by global
-rank 0 only, each file atomically."""
+rank 0 only, each file atomically.
+
+Those outputs' directories and the checkpoints' are claimed by one training at a time (:func:`claim_training`,
+:func:`hold_training`; ddpipe.core.claims): a second training that would write them is refused while the first
+lives."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ddpipe.config.schema import Config
+from ddpipe.core.claims import TOKEN_ENV, Claim
 from ddpipe.core.files import atomic_write_json, atomic_write_text
 from ddpipe.core.ranks import DistInfo
 from ddpipe.data.store import Prepared
@@ -17,6 +24,31 @@ from ddpipe.engine.resolved import Resolved
 from ddpipe.models.saved import save_model
 from ddpipe.tracking.outbox import write_run_info
 from ddpipe.tracking.tracker import Tracker
+
+# The train stage's outputs, by their paths.* key (dvc.yaml's outs of the train stage)
+OUTPUT_KEYS = ("model", "run_info", "train_metrics", "history")
+
+
+def training_places(cfg: Config) -> dict[str, Path]:
+    """The directories a training writes, by the keys that name them: its checkpoints and its outputs'."""
+    paths = cfg.paths
+    return {"paths.checkpoints": Path(paths.checkpoints),
+            **{f"paths.{key}": Path(getattr(paths, key)).parent for key in OUTPUT_KEYS}}
+
+
+def claim_training(cfg: Config, role: str) -> Claim:
+    """A new claim on the training's directories (the launcher's, before torchrun starts), or InUse naming the
+    training that holds them."""
+    return Claim.take(training_places(cfg), role)
+
+
+def hold_training(cfg: Config, info: DistInfo) -> Claim | None:
+    """This worker's hold on its training's directories: it joins the claim its launcher took (:data:`TOKEN_ENV`);
+    started otherwise, global rank 0 takes one (a plain process, a torchrun by hand, a node of a several-node job:
+    their launchers cannot tell which node writes) and the other ranks, which write nothing there, hold none."""
+    if token := os.environ.get(TOKEN_ENV):
+        return Claim.join(training_places(cfg), token, f"rank {info.rank}")
+    return Claim.take(training_places(cfg), "rank 0") if info.is_main else None
 
 
 @dataclass

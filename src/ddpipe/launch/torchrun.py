@@ -34,12 +34,15 @@ import torch
 from ddpipe.config.command import load_or_exit
 from ddpipe.config.load import user_errors
 from ddpipe.config.schema import Config, ConfigError, DistributedConfig
+from ddpipe.core.claims import TOKEN_ENV, InUse
 from ddpipe.core.exits import EXIT_PREEMPTED, STOP_SIGNALS
 from ddpipe.data.encoding import SMALL_IMAGE_SIDE
 from ddpipe.data.store import PreparedDataError
 from ddpipe.distributed.host_leases import GpuLease, visible_gpus
+from ddpipe.distributed.preemption import launcher_env
 from ddpipe.engine.assembly import build_network
-from ddpipe.engine.resolved import Resolved, resolve, resolve_job
+from ddpipe.engine.resolved import Job, Resolved, resolve, resolve_job
+from ddpipe.engine.stage_outputs import claim_training
 from ddpipe.models.catalog import RENAMED, module_file
 from ddpipe.tracking.access import check_access
 
@@ -175,17 +178,34 @@ def main(argv: list[str] | None = None) -> None:
         preflight(cfg, job.max_world_size)
         if note := check_access(cfg.mlflow):  # a server that refuses this user: before anything is written
             print(note, file=sys.stderr, flush=True)
-    env = {**os.environ, CHECKED_ENV: "1"}
+    env = {**os.environ, CHECKED_ENV: "1", **launcher_env()}  # the workers follow this process (preemption)
     if on_every_node and cfg.distributed.nnodes != "1" and "--print" not in argv:
         # a cluster job's train stage runs on its first node: one launcher per node, each checks its own node
         print(" ".join(on_every_node), flush=True)
         _exit(supervise(on_every_node, {k: v for k, v in os.environ.items() if k != NODES_ENV}))
-    if "--print" in argv or not torch.cuda.is_available() or cfg.distributed.nnodes != "1":
+    if "--print" in argv:
+        print(" ".join(torchrun_command(cfg.distributed, job.nproc_per_node, overrides)), flush=True)
+        return
+    # One host: this training's directories are its own until its last process ends (several nodes: the writing
+    # rank takes them, as only the rendezvous tells which node that is)
+    with user_errors(InUse):
+        claim = claim_training(cfg, "launcher") if cfg.distributed.nnodes == "1" else None
+    try:
+        code = run_torchrun(cfg, job, overrides, {**env, **({TOKEN_ENV: claim.token} if claim else {})})
+        if claim is not None and code != 0:  # a killed torchrun's workers stop on their own: wait for them
+            claim.wait_for_others(cfg.distributed.shutdown_timeout_s + 30.0, _say)
+    finally:
+        if claim is not None:
+            claim.release()
+    _exit(code)
+
+
+def run_torchrun(cfg: Config, job: Job, overrides: list[str], env: dict[str, str]) -> int:
+    """Run this node's torchrun and wait for it; its exit code (128 + the signal's number if a signal killed it)."""
+    if not torch.cuda.is_available() or cfg.distributed.nnodes != "1":
         cmd = torchrun_command(cfg.distributed, job.nproc_per_node, overrides)
         print(" ".join(cmd), flush=True)
-        if "--print" not in argv:
-            _exit(supervise(cmd, env))
-        return
+        return supervise(cmd, env)
     # GPUs on one host: leased while torchrun runs, so trainings at once split them (ddpipe.distributed.host_leases)
     nproc = job.nproc_per_node
     with GpuLease(visible_gpus(), job.gpus_requested) as lease:
@@ -195,8 +215,11 @@ def main(argv: list[str] | None = None) -> None:
                 preflight(cfg, nproc)
         cmd = torchrun_command(cfg.distributed, nproc, overrides)
         print(f"CUDA_VISIBLE_DEVICES={','.join(lease.gpus)} {' '.join(cmd)}", flush=True)
-        code = supervise(cmd, {**env, "CUDA_VISIBLE_DEVICES": ",".join(lease.gpus)})
-    _exit(code)
+        return supervise(cmd, {**env, "CUDA_VISIBLE_DEVICES": ",".join(lease.gpus)})
+
+
+def _say(text: str) -> None:
+    print(f"ddpipe.launch: {text}", file=sys.stderr, flush=True)
 
 
 def _exit(code: int) -> NoReturn:
@@ -238,6 +261,10 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None) -> int:
         print(f"ddpipe.launch: stopped by {signal.Signals(stopped[0]).name}; the workers checkpointed their "
               f"step: run the same command to resume (exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
+    if code < 0:  # torchrun itself was killed (SIGKILL: the OOM killer, kill -9): its workers stop on their own
+        _say(f"torchrun (pid {child.pid}) was killed by {signal.Signals(-code).name}; its workers follow it: each "
+             "stops at its next step after a checkpoint; run the same command to resume")
+        return 128 - code
     return code
 
 

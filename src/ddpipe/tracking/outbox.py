@@ -94,7 +94,13 @@ class Journal:
         assert FORMAT_KEY not in fields, f"a record's field may not be named {FORMAT_KEY!r}: its format's key"
         line = json.dumps({FORMAT_KEY: RECORD_FORMAT, "op": op, **fields}, separators=(",", ":")) + "\n"
         with self._lock:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            except FileNotFoundError:  # the directory went (a delivery that found it whole removed it): again
+                self.dir.mkdir(parents=True, exist_ok=True)
+                if not (self.dir / "store.json").is_file():
+                    atomic_write_json(self.dir / "store.json", {"tracking_uri": redact(self.uri)})
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             try:
                 os.write(fd, line.encode())
             finally:
