@@ -17,4 +17,5 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("tracking",),  # the MLflow run, the outbox and its delivery, the store, champion, system metrics, sweeps
     ("engine",),  # the resolved run, the network's assembly, the loop, checkpoints, the evaluation
     ("launch",),  # the torchrun command, what each rank runs, the cluster
+    ("search",),  # the search over experiments: Optuna asks, each trial a DVC experiment (python -m ddpipe.search)
 )

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 # ConfigError is the schema's error: modules that check values import it from here
 from ddpipe.config.param import ConfigError, param  # noqa: F401
+from ddpipe.config.search import SearchConfig
 
 DATASETS = ("fashion_mnist", "mnist", "cifar10", "imagefolder")
 # model.name: ddpipe's own networks by these names; any other word names a torchvision (or timm) classification
@@ -384,3 +385,4 @@ class Config:
     mlflow: MlflowConfig = field(default_factory=MlflowConfig, metadata={"trajectory": False})
     paths: PathsConfig = field(default_factory=PathsConfig, metadata={"trajectory": False})
     cluster: ClusterConfig = field(default_factory=ClusterConfig, metadata={"trajectory": False})
+    search: SearchConfig = field(default_factory=SearchConfig, metadata={"trajectory": False})

@@ -21,3 +21,13 @@ class Preempted(BaseException):
     def __init__(self, signum: int, epoch: int, step: int) -> None:
         self.signum, self.epoch, self.step = signum, epoch, step
         super().__init__(f"stopped by {signal.Signals(signum).name} at epoch {epoch + 1}, step {step}")
+
+
+class TrialPruned(SystemExit):
+    """A search's trial that its pruner stopped after an epoch, on every rank at once (``ddpipe.engine.pruning``).
+    A SystemExit carrying its message: the process exits non-zero printing that one line, without a traceback, so
+    the train stage fails and a pruned trial leaves no output that looks like a finished training's."""
+
+    def __init__(self, study: str, number: int, epoch: int, num_epochs: int, detail: str = "") -> None:
+        self.study, self.number, self.epoch, self.num_epochs = study, number, epoch, num_epochs
+        super().__init__(f"trial {number} of search {study!r} pruned after epoch {epoch} of {num_epochs}{detail}")

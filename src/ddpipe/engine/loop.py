@@ -34,6 +34,7 @@ from ddpipe.engine.meters import EpochMeter, EpochProgress, EpochStats, final_me
 from ddpipe.engine.objective import Objective
 from ddpipe.engine.optimizer import Optimization
 from ddpipe.engine.progress import make_progress
+from ddpipe.engine.pruning import after_epoch as search_trial_after_epoch
 from ddpipe.engine.resolved import Resolved
 from ddpipe.engine.selection import ModelSelection
 from ddpipe.engine.stage_outputs import TrainingOutputs, hold_training, save_outputs
@@ -157,6 +158,7 @@ class Trainer:
         self.tracker.log_metrics({**stats.logged(), "best_val_accuracy": self.selection.best_val_accuracy},
                                  step=stats.epoch)
         self._save(Position(stats.epoch, 0))
+        search_trial_after_epoch(stats, self.tracker, self.info, self.cfg.num_epochs)  # a search's: report, maybe prune
 
     @torch.no_grad()
     def validate(self, average: WeightAverage | None = None) -> tuple[float, float]:

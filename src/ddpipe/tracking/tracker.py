@@ -28,7 +28,7 @@ from typing import Any
 from ddpipe import __version__
 from ddpipe.config.schema import Config, MlflowConfig
 from ddpipe.core.errors import one_line
-from ddpipe.core.exits import Preempted
+from ddpipe.core.exits import Preempted, TrialPruned
 from ddpipe.core.files import atomic_write_json
 from ddpipe.core.processes import alive_here, this_process
 from ddpipe.core.ranks import DistInfo
@@ -53,8 +53,8 @@ CLUSTER_TAGS = {"ddpipe.cluster.job": "DDPIPE_CLUSTER_JOB", "ddpipe.cluster.log"
 
 def end_reason(exc: BaseException) -> tuple[str, str]:
     """(MLflow status, the ``ddpipe.end_reason`` tag) for a training that ends by raising ``exc``."""
-    if isinstance(exc, KeyboardInterrupt):
-        return "KILLED", "interrupted by SIGINT (Ctrl-C)"
+    if isinstance(exc, (KeyboardInterrupt, TrialPruned)):  # pruned: a search's pruner stopped it after an epoch
+        return "KILLED", str(exc.code) if isinstance(exc, TrialPruned) else "interrupted by SIGINT (Ctrl-C)"
     if isinstance(exc, Preempted):
         return "KILLED", f"{exc} (a scheduler's stop, preemption or time limit, or torchrun forwarding one); " \
                          "the same command resumes from the checkpoint of that step, into this run"

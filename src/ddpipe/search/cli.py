@@ -1,0 +1,70 @@
+"""``python -m ddpipe.search``: run a search, list its trials, name its best.
+
+    python -m ddpipe.search run [search.trials=40 ...]    # trials until the study holds search.trials finished ones
+    python -m ddpipe.search status [search.study=NAME]    # every trial: state, params, value, epochs, experiment, run
+    python -m ddpipe.search best [--json]                 # the best trial and its DVC experiment (dvc exp apply NAME)
+
+``key=value`` after the subcommand overrides params.yaml for this command (``search.*`` keys: the search's own).
+A mistake in the ``search`` section fails before any trial starts, the study unchanged (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ddpipe.config.command import load_or_exit
+from ddpipe.config.load import DEFAULT_PARAMS_FILE, user_errors
+from ddpipe.config.schema import Config
+from ddpipe.search.space import Plan, make_plan
+from ddpipe.search.study import SearchError, load_study
+from ddpipe.tracking.store import repo_root
+
+USAGE = "usage: python -m ddpipe.search run|status|best [--json] [key=value ...]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    words = [a for a in argv if "=" not in a and not a.startswith("-")]
+    if len(words) != 1 or words[0] not in ("run", "status", "best") or "-h" in argv or "--help" in argv:
+        print(__doc__ if "-h" in argv or "--help" in argv else USAGE, file=sys.stderr)
+        return 0 if "-h" in argv or "--help" in argv else 2
+    root = repo_root()
+    params = root / DEFAULT_PARAMS_FILE
+    cfg = load_or_exit([a for a in argv if "=" in a], "-m ddpipe.search")
+    with user_errors(SearchError, code=1):
+        plan = make_plan(cfg, root, params if params.is_file() else None)
+        if words[0] == "run":
+            return _run(cfg, plan, root)
+        study = load_study(plan)
+        if words[0] == "status":
+            from ddpipe.search.report import status
+
+            print(status(study), end="")
+        else:
+            from ddpipe.search.report import best
+
+            top = best(study)
+            print(json.dumps(top) if "--json" in argv else
+                  f"best: trial {top['number']}, {plan.settings.metric} {top['value']:.4f}, {top['params']}; "
+                  f"DVC experiment {top['experiment']} (dvc exp apply {top['experiment']})")
+    return 0
+
+
+def _run(cfg: Config, plan: Plan, root: Path) -> int:
+    from ddpipe.search import driver, report
+
+    for note in plan.notes:
+        print(f"note: {note}", file=sys.stderr)
+    study = driver.run(plan, root)
+    written, skipped = report.plots(study, plan.folder)
+    for reason in skipped:
+        print(f"note: plot {reason}", file=sys.stderr)
+    try:
+        parent = report.log_to_parent(cfg, study, written)
+        print(f"plots in {plan.folder}, logged to the MLflow parent run {parent}")
+    except Exception as exc:  # the search is done and the plots on disk; the next run logs them again
+        print(f"warning: could not log the plots to MLflow ({type(exc).__name__}: {exc})", file=sys.stderr)
+    print(report.status(study), end="")
+    return 0

@@ -1,0 +1,127 @@
+"""The study of a search: its storage opened (and checked to answer), its sampler, created or continued, the trials a
+killed driver left RUNNING closed and retried, and the ``first`` trials enqueued once."""
+
+from __future__ import annotations
+
+import socket
+import warnings
+from pathlib import Path
+from typing import Any
+
+from ddpipe.config.schema import ConfigError
+from ddpipe.core.errors import one_line
+from ddpipe.core.processes import alive, start_time
+from ddpipe.engine.pruning import make_pruner, open_storage
+from ddpipe.search.space import Plan
+from ddpipe.tracking.store import redact
+
+# A database storage: the driver records a heartbeat of each running trial; one silent for GRACE_S is failed by the
+# next driver (Optuna's fail_stale_trials) and retried once with the same params, as one that died on this host is.
+HEARTBEAT_S, GRACE_S, MAX_RETRY = 20, 120, 1
+
+
+class SearchError(RuntimeError):
+    """A study that is not there, or has nothing to show yet."""
+
+
+def storage(plan: Plan, for_driver: bool = False) -> Any:
+    """The study's storage, or a ConfigError naming ``search.storage`` when it does not answer or refuses us."""
+    import optuna
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            options = {"heartbeat_interval": HEARTBEAT_S, "grace_period": GRACE_S, "heartbeat_stale_trial_callback":
+                       optuna.storages.RetryHeartbeatStaleTrialCallback(MAX_RETRY)} \
+                if for_driver and "://" in plan.storage else {}
+            found = open_storage(plan.storage, **options)
+            found.get_all_studies()  # a database that does not answer or refuses the credentials fails here
+            return found
+    except Exception as exc:
+        shown = redact(plan.storage) if "://" in plan.storage else plan.storage
+        raise ConfigError(f"search.storage = {shown!r} does not answer or refuses us ({one_line(exc, 300)}); expected "
+                          "a reachable database (sqlite:///path.db, postgresql://user@host/db with PGPASSWORD or "
+                          "~/.pgpass) or null (a journal file in the repository)") from None
+
+
+def sampler(plan: Plan) -> Any:
+    """Optuna's sampler of ``search.sampler``, seeded from ``seed``."""
+    import optuna
+
+    if plan.settings.sampler == "grid":
+        return optuna.samplers.GridSampler({k: d.grid() for k, d in plan.space.items()}, seed=plan.seed)
+    if plan.settings.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=plan.seed)
+    return optuna.samplers.TPESampler(seed=plan.seed)
+
+
+def open_study(plan: Plan) -> Any:
+    """Create the study, or continue it (same name, same storage); a new one gets the ``first`` trials."""
+    import optuna
+
+    store = storage(plan, for_driver=True)
+    study = optuna.create_study(study_name=plan.settings.study, storage=store, sampler=sampler(plan),
+                                pruner=make_pruner(plan.settings.pruner, plan.settings.startup_trials),
+                                direction=plan.settings.direction, load_if_exists=True)
+    if study.direction.name.lower() != plan.settings.direction:
+        raise ConfigError(f"search.direction = {plan.settings.direction!r} is not accepted for the existing study "
+                          f"{plan.settings.study!r}, which maximizes or minimizes the other way; expected "
+                          f"{study.direction.name.lower()!r}, or a new search.study")
+    if not study.get_trials(deepcopy=False):
+        for params in plan.first:
+            study.enqueue_trial(params, skip_if_exists=True)
+    return study
+
+
+def load_study(plan: Plan) -> Any:
+    """The existing study (for status and best), or SearchError; opening it creates nothing."""
+    import optuna
+
+    if "://" not in plan.storage and not Path(plan.storage).is_file():
+        raise SearchError(f"no study {plan.settings.study!r} yet: {plan.storage} does not exist (python -m "
+                          "ddpipe.search run starts it)")
+    try:
+        return optuna.load_study(study_name=plan.settings.study, storage=storage(plan))
+    except KeyError:
+        raise SearchError(f"no study {plan.settings.study!r} in {redact(plan.storage)} (python -m ddpipe.search run "
+                          "starts it)") from None
+
+
+def driver_mark() -> dict[str, Any]:
+    """This driver as its trials record it: host, pid and the pid's start time (so a reused pid is not taken)."""
+    import os
+
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": start_time(os.getpid())}
+
+
+def close_stale(study: Any) -> list[int]:
+    """Fail the RUNNING trials no driver runs any more, each retried once with its params (Optuna's
+    RetryHeartbeatStaleTrialCallback): those of a driver on this host that is gone, and, in a database, those whose
+    heartbeat stopped (another host's). Returns their numbers."""
+    import optuna
+    from optuna.trial import TrialState
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        before = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+        optuna.storages.fail_stale_trials(study)
+        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(MAX_RETRY)
+        for trial in study.get_trials(states=(TrialState.RUNNING,)):
+            mark = trial.user_attrs.get("driver") or {}
+            if mark.get("host") == socket.gethostname() and not alive(int(mark.get("pid", 0)), mark.get("started")):
+                give_back(study, trial, retry)
+        still = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    return sorted(before - still)
+
+
+def give_back(study: Any, trial: Any, retry: Any | None = None) -> None:
+    """End ``trial`` (a FrozenTrial) as FAIL, the study keeping its record, and queue it again with its params."""
+    import optuna
+
+    try:
+        study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+    except (ValueError, RuntimeError):  # finished meanwhile (another driver, a stale check): nothing to give back
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        (retry or optuna.storages.RetryHeartbeatStaleTrialCallback(MAX_RETRY))(study, trial)

@@ -1,0 +1,219 @@
+"""The search over experiments: every bad input refused before any trial with the study unchanged; a trial pruned on
+every rank after the same epoch; a real study of DVC experiments, continued, with its MLflow children and its best."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddpipe.config.load import load_config
+from ddpipe.config.schema import ConfigError
+from ddpipe.search.space import make_plan, override_text
+from tests.conftest import CLONE_ENV, GIT_ENV, PARAMS, args_for, run, torchrun
+
+LR = "search.space.train.base_lr=loguniform(1e-4, 1e-1)"
+
+
+def _plan(tmp: Path, *overrides: str):
+    return make_plan(load_config(list(overrides), params_file=PARAMS), tmp, PARAMS)
+
+
+def test_a_search_section_becomes_a_plan(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, LR, "search.space.train.label_smoothing=uniform(0.0, 0.2)",
+                 "search.space.model.name=choice(resnet_small, resnet_compact)",
+                 "search.space.train.grad_accum_steps=int(1, 4)")
+    assert {k: d.kind for k, d in plan.space.items()} == {"train.base_lr": "loguniform", "train.label_smoothing":
+                                                          "uniform", "model.name": "choice",
+                                                          "train.grad_accum_steps": "int"}
+    assert plan.space["train.base_lr"].to_optuna().log and plan.space["train.grad_accum_steps"].grid() == [1, 2, 3, 4]
+    assert plan.storage == str(tmp_path / "search" / "search" / "study.journal")  # null: a file in the repository
+    # first: null is one trial at the params as they stand, unless the space leaves them out (model.name: auto)
+    assert plan.first == [] and "model.name = 'auto'" in plan.notes[0]
+    assert _plan(tmp_path, LR).first == [{"train.base_lr": 0.003}]
+    assert _plan(tmp_path, LR, "search.storage=sqlite:///s.db").storage == f"sqlite:///{tmp_path / 's.db'}"
+    assert [override_text(v) for v in (0.001, 3, True, "resnet18", "a b")] == ["0.001", "3", "true", "resnet18",
+                                                                               "'a b'"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([LR.replace("base_lr", "base_lrr")], "search.space.train.base_lrr: unknown key 'train.base_lrr'"),
+    (["search.space.train.base_lr=gauss(0, 1)"], "search.space.train.base_lr = 'gauss(0, 1)' is not accepted; "
+                                                 "expected loguniform(low, high)"),
+    (["search.space.train.base_lr=uniform(a, b)"], "expected uniform(low, high) of two numbers"),
+    (["search.space.train.base_lr=uniform(0.1, 0.01)"], "'uniform(0.1, 0.01)' is not accepted; expected "
+                                                        "uniform(low, high) with low < high"),
+    (["search.space.train.base_lr=loguniform(0, 1)"], "'loguniform(0, 1)' is not accepted; expected loguniform(low, "
+                                                      "high) with 0 < low"),
+    (["search.space.model.name=choice(resnet_small, no_such_net)"],
+     "search.space.model.name: 'no_such_net' is not accepted: model.name = 'no_such_net' is not accepted"),
+    (["search.space.train.optimizer=choice(adamw, rmsprop)"], "'rmsprop' is not accepted: train.optimizer = "
+                                                              "'rmsprop' is not accepted; expected one of adamw, sgd"),
+    (["search.space.train.label_smoothing=uniform(0, 1.5)"], "train.label_smoothing = 1.5 is not accepted"),
+    (["search.space.train.grad_accum_steps=uniform(1, 4)"], "expected int(low, high) or choice(...)"),
+    (["search.space.paths.model=choice(a.pt, b.pt)"], "expected a training parameter"),
+    ([LR, "search.metric=val_acc"], "search.metric = 'val_acc' is not accepted; expected an epoch metric the "
+                                    "training logs: train_loss"),
+    ([LR, "search.metric=ema_val_accuracy"], "train.ema_decay = null"),
+    ([LR, "search.trials=0"], "search.trials = 0 is not accepted; expected an integer >= 1"),
+    ([LR, "search.sampler=grid"], "search.sampler = 'grid' is not accepted with search.space.train.base_lr"),
+    ([LR, "search.first=[{train.lr: 0.01}]"], "search.first[0].train.lr: 'train.lr' is not accepted; expected a "
+                                              "key of search.space"),
+    ([LR, "search.first=[{train.base_lr: -1}]"], "train.base_lr = -1.0 is not accepted; expected a number > 0.0"),
+    ([LR, "search.storage=postgresql://me:secret@db/optuna"], "search.storage holds a password"),
+    ([LR, "search.storage=redis://db"], "search.storage = 'redis://db' is not accepted"),
+    ([LR, "search.study=a/b"], "search.study = 'a/b' is not accepted"),
+    (["search.space={}"], "search.space = {} is not accepted"),
+])
+def test_bad_input_is_refused_naming_key_value_and_what_is_accepted(tmp_path: Path, overrides: list[str],
+                                                                     message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        _plan(tmp_path, *overrides)
+    assert message in str(err.value)
+
+
+def test_a_storage_that_does_not_answer_fails_before_any_trial(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command exits 2 naming search.storage; nothing was written (no study, no folder)."""
+    from ddpipe.search.cli import main
+
+    monkeypatch.setenv("DDPIPE_REPO_ROOT", str(tmp_path))
+    for storage in ("postgresql+psycopg://nobody@127.0.0.1:9/optuna", f"sqlite:///{tmp_path}/no/such/dir/s.db"):
+        with pytest.raises(SystemExit) as exits:
+            main(["run", LR, f"search.storage={storage}"])
+        assert exits.value.code == 2
+        shown = storage.replace("nobody@", "")  # printed without its user
+        assert f"error: search.storage = '{shown}' does not answer or refuses us" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["run", LR.replace("1e-4", "0")])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_trials_of_a_killed_driver_are_failed_and_queued_again_once(tmp_path: Path) -> None:
+    """A driver SIGKILLed leaves its trials RUNNING: the next run fails those whose driver on this host is gone and
+    queues each again with its params (Optuna's retry callback); a live driver's trial is left alone."""
+    import socket
+
+    import optuna
+
+    from ddpipe.core.processes import start_time
+    from ddpipe.search.study import close_stale, driver_mark, open_study
+
+    plan = _plan(tmp_path, LR, "search.first=[]")
+    study = open_study(plan)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    dists = {k: d.to_optuna() for k, d in plan.space.items()}
+    orphan, live = study.ask(dists), study.ask(dists)
+    orphan.set_user_attr("driver", {"host": socket.gethostname(), "pid": dead.pid, "started": start_time(dead.pid)})
+    live.set_user_attr("driver", driver_mark())
+    assert close_stale(study) == [orphan.number]
+    states = [t.state for t in study.trials]
+    assert states == [optuna.trial.TrialState.FAIL, optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING]
+    assert study.trials[2].params == orphan.params
+    assert close_stale(study) == []  # nothing twice
+
+
+def test_a_two_process_trial_is_pruned_on_every_rank_after_the_same_epoch(tmp_path: Path, prepared: Path) -> None:
+    """Rank 0 reports epoch 1 below the median of a finished trial; both ranks stop after it, the run is KILLED and
+    says pruned, no model is written, the study records the epoch."""
+    import optuna
+
+    from ddpipe.engine.pruning import TRIAL_ENV, make_pruner, open_storage
+
+    journal = str(tmp_path / "study.journal")
+    study = optuna.create_study(study_name="s", storage=open_storage(journal), direction="maximize",
+                                pruner=make_pruner("median", 1))
+    dist = optuna.distributions.FloatDistribution(1e-8, 1.0, log=True)
+    study.add_trial(optuna.create_trial(params={"train.base_lr": 0.003}, distributions={"train.base_lr": dist},
+                                        value=0.9, intermediate_values={1: 0.9, 2: 0.9, 3: 0.9}))
+    trial = study.ask({"train.base_lr": dist})
+    spec = {"storage": journal, "study": "s", "trial": trial.number, "trial_id": trial._trial_id,
+            "metric": "val_accuracy", "pruner": "median", "startup_trials": 1}
+    out = tmp_path / "out"
+    result = run(torchrun(2, *args_for(out, prepared, "num_epochs=3", "train.base_lr=1e-8",
+                                       "distributed.threads_per_process=1", "mlflow.sweep=s")),
+                 env={TRIAL_ENV: json.dumps(spec)}, check=False)
+    log = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert log.count(f"trial {trial.number} of search 's' pruned after epoch 1 of 3") == 2, log[-4000:]  # each rank
+    assert "epoch 2/3" not in log and not (out / "model.pt").exists() and not (out / "train.json").exists()
+    frozen = study.trials[trial.number]
+    assert frozen.user_attrs["pruned_epoch"] == 1 and list(frozen.intermediate_values) == [1]
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{out}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("ddpipe").experiment_id])
+    (pruned,) = [r for r in runs if "ddpipe.sweep_parent" not in r.data.tags]
+    assert pruned.info.run_id == frozen.user_attrs["mlflow_run"] and pruned.info.status == "KILLED"
+    assert "pruned after epoch 1 of 3" in pruned.data.tags["ddpipe.end_reason"]
+    assert pruned.data.metrics["pruned_at_epoch"] == 1
+
+
+def _experiments(clone: Path) -> dict[str, dict]:
+    """Each DVC experiment's name and params.yaml."""
+    refs = run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], cwd=clone).stdout.split()
+    return {ref.rsplit("/", 1)[1]: yaml.safe_load(run(["git", "show", f"{ref}:params.yaml"], cwd=clone).stdout)
+            for ref in refs if ref.count("/") >= 4}
+
+
+@pytest.mark.slow
+def test_a_study_of_dvc_experiments_prunes_continues_and_names_its_best(repro_clone: Path) -> None:
+    """4 trials, 2 at once, the third with a learning rate that cannot learn (pruned after epoch 1 of 2); then the
+    same command with search.trials=5 ends with exactly 5."""
+    import optuna
+    from mlflow import MlflowClient
+
+    clone = repro_clone
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    params["mlflow"]["log_model"] = False
+    params["search"].update(study="lr", trials=4, jobs=2, startup_trials=1, space={
+        "train.base_lr": "loguniform(1e-4, 1e-1)", "train.label_smoothing": "uniform(0.0, 0.2)"}, first=[
+        {"train.base_lr": 0.003, "train.label_smoothing": 0.1}, {"train.base_lr": 0.01, "train.label_smoothing": 0.0},
+        {"train.base_lr": 1e-7, "train.label_smoothing": 0.1}])
+    (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    run(["git", "commit", "-qam", "a search"], cwd=clone, env=GIT_ENV)
+    out = run(["python", "-m", "ddpipe.search", "run"], cwd=clone, env=CLONE_ENV, timeout=900).stdout
+
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(
+        str(clone / "search" / "lr" / "study.journal")))
+    study = optuna.load_study(study_name="lr", storage=storage)
+    states = [t.state.name for t in study.trials]
+    assert sorted(states) == sorted(s for s in states if s in ("COMPLETE", "PRUNED")) and len(states) == 4, out
+    pruned = [t for t in study.trials if t.state.name == "PRUNED"]
+    assert study.trials[2].state.name == "PRUNED" and all(max(t.intermediate_values) < 2 for t in pruned)
+    experiments = _experiments(clone)
+    for t in study.trials:
+        name = f"lr-{t.number}"
+        assert (name in experiments) == (t.state.name == "COMPLETE"), (name, list(experiments))
+        if name in experiments:
+            assert experiments[name]["train"]["base_lr"] == pytest.approx(t.params["train.base_lr"])
+            assert experiments[name]["mlflow"]["sweep"] == "lr"
+    assert {p.name for p in (clone / "search" / "lr").glob("*.png")} >= {"optimization_history.png",
+                                                                        "parallel_coordinate.png"}
+
+    run(["python", "-m", "ddpipe.search", "run", "search.trials=5"], cwd=clone, env=CLONE_ENV, timeout=600)
+    study = optuna.load_study(study_name="lr", storage=storage)
+    assert len(study.trials) == 5 and {t.state.name for t in study.trials} <= {"COMPLETE", "PRUNED"}
+
+    client = MlflowClient(f"sqlite:///{clone}/mlflow.db")
+    exp = client.get_experiment_by_name("ddpipe")
+    (parent,) = client.search_runs([exp.experiment_id], filter_string="tags.`ddpipe.sweep_parent` = 'true'")
+    children = client.search_runs([exp.experiment_id],
+                                  filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert sorted(c.info.run_name for c in children) == [f"lr-{n}" for n in range(5)]
+    assert {c.info.status for c in children if c.info.run_name == "lr-2"} == {"KILLED"}
+    assert "optimization_history.png" in {a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(
+        parent.info.run_id, "search")}
+
+    best = json.loads(run(["python", "-m", "ddpipe.search", "best", "--json"], cwd=clone, env=CLONE_ENV).stdout)
+    top = study.best_trial
+    assert best == {"number": top.number, "params": top.params, "value": top.value, "experiment": f"lr-{top.number}"}
+    status = run(["python", "-m", "ddpipe.search", "status"], cwd=clone, env=CLONE_ENV).stdout
+    assert "| 2 | PRUNED at epoch 1 |" in status and f"| lr-{top.number} |" in status
+    run(["dvc", "exp", "apply", best["experiment"]], cwd=clone, env=CLONE_ENV)
+    assert "up to date" in run(["dvc", "status"], cwd=clone, env=CLONE_ENV).stdout.lower()
