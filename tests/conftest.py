@@ -45,7 +45,8 @@ def tiny_overrides(tmp: Path) -> list[str]:
         f"paths.train_metrics={tmp}/train.json", f"paths.history={tmp}/history.csv",
         f"paths.test_metrics={tmp}/test.json", f"paths.confusion={tmp}/confusion.csv",
         f"paths.per_class={tmp}/per_class.csv",
-        f"paths.reports={tmp}/reports", "train.progress_bar=false", "num_epochs=2",
+        f"paths.reports={tmp}/reports", f"paths.onnx={tmp}/model.onnx", f"paths.onnx_int8={tmp}/model.int8.onnx",
+        f"paths.export_metrics={tmp}/export.json", "train.progress_bar=false", "num_epochs=2",
         f"mlflow.tracking_uri=sqlite:///{tmp}/mlflow.db", f"mlflow.outbox={tmp}/outbox",
         "model.width=8", "train.batch_size_per_rank=32", "train.eval_batch_size_per_rank=100",
         # tests compare trajectories (world sizes, threads, resumes) by the weights they end with
