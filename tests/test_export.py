@@ -123,7 +123,8 @@ def test_a_broken_export_fails_the_stage_and_leaves_the_previous_export_in_place
     with pytest.raises(SystemExit) as failed:
         stages.export.main(cfg)
     message = str(failed.value.code)
-    assert "onnx: top-1 agrees with the PyTorch model on" in message and "below export.min_agreement = 99.90%" in message
+    assert "onnx: top-1 agrees with the PyTorch model on" in message
+    assert "below export.min_agreement = 99.90%" in message
     assert "Nothing was written; the previous export stays in place" in message
     assert _digests(*outputs) == before
     assert not [p for p in Path(cfg.paths.onnx).parent.iterdir() if p.name.startswith(".export-")]
