@@ -21,6 +21,7 @@ from tests.conftest import (
     ROOT,
     STOPPED,
     args_for,
+    free_port,
     prepare_generated_folder,
     run,
     same_weights,
@@ -378,3 +379,60 @@ def test_sigkill_to_dvc_repro_leaves_a_step_checkpoint_and_the_next_repro_resume
     assert f"resuming from checkpoints at epoch {epoch}, step {step}" in again.stdout, again.stdout[-3000:]
     print(f"stopped at epoch {epoch}, step {step}")
     assert same_weights(weights(model), reference)
+
+
+@pytest.mark.slow
+def test_sigkill_to_one_node_of_two_stops_every_rank_at_one_step_and_both_nodes_resume_equal(
+        tmp_path: Path, prepared: Path, uninterrupted: dict[str, torch.Tensor]) -> None:
+    """Two nodes on this host (two launchers, a c10d rendezvous on 127.0.0.1, one process each): the process group of
+    the node whose worker is global rank 0 is SIGKILLed in epoch 2. Its worker follows its dead launcher, and through
+    the per-step agreement the other node's worker stops at the same step; rank 0 checkpoints it, no worker is left
+    5 s later, and the two nodes run again resume there and end with the one-node run's weights."""
+    port, marker = free_port(), str(tmp_path)
+
+    def node() -> list[str]:
+        return [sys.executable, "-m", "ddpipe.launch",
+                *args_for(tmp_path, prepared, *EXTRA, "distributed.nproc_per_node=1", "distributed.nnodes=2",
+                          f"distributed.rdzv_endpoint=127.0.0.1:{port}", "distributed.rdzv_id=kill-one-node")]
+
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
+    nodes = [subprocess.Popen(node() + list(EVERY_2), cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=open(log, "w"),
+                              stderr=subprocess.STDOUT, start_new_session=True) for log in logs]
+    try:
+        ranks = {}
+        deadline = time.time() + 300
+        while len(ranks) < 2 and time.time() < deadline:
+            for i, launcher in enumerate(nodes):
+                for p in psutil.Process(launcher.pid).children(recursive=True):
+                    try:
+                        if any(a.endswith("train_worker.py") for a in p.cmdline()) and "RANK" in p.environ():
+                            ranks[int(p.environ()["RANK"])] = i
+                    except psutil.Error:
+                        continue
+            time.sleep(0.2)
+        wait_for_step_checkpoint(tmp_path / "ckpt", 2, 2, lambda: all(n.poll() is None for n in nodes))
+        killed = nodes[ranks[0]]
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait()
+        workers = [p for p in _training_processes(marker) if "torch.distributed.run" not in " ".join(p.cmdline())
+                   and "ddpipe.launch" not in " ".join(p.cmdline())]
+        deadline = time.time() + 5
+        while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers) and time.time() < deadline:
+            time.sleep(0.1)
+        left = [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not left, f"workers still running 5 s after the kill: {[p.cmdline() for p in left]}"
+        assert nodes[1 - ranks[0]].wait(timeout=120) != 0  # the other node ends, without a checkpoint of its own
+    finally:
+        _kill_all(marker)
+    text = "".join(log.read_text() for log in logs)
+    (sig, epoch, step), = set(STOPPED.findall(text))  # both ranks, on both nodes, stopped at one step
+    assert sig == "SIGTERM" and epoch == "2" and len(STOPPED.findall(text)) == 2, text[-4000:]
+
+    port = free_port()
+    again = [subprocess.Popen(node(), cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in again]
+    assert [p.returncode for p in again] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert any(f"at epoch {epoch}, step {step}" in out for out in outs)
+    print(f"stopped at epoch {epoch}, step {step}")
+    assert same_weights(weights(tmp_path / "model.pt"), uninterrupted)
