@@ -310,7 +310,7 @@ def test_sigkill_to_the_launchers_process_group_leaves_no_worker_and_the_same_co
     assert sig == "SIGTERM" and epoch == "2", text[-3000:]
 
     resumed = run(cmd, env=CLONE_ENV)
-    assert "taking it over" in resumed.stderr and f"pid {proc.pid}" in resumed.stderr, resumed.stderr[-2000:]
+    assert "taking over" in resumed.stderr and f"pid {proc.pid}" in resumed.stderr, resumed.stderr[-2000:]
     assert f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step}" in resumed.stdout
     print(f"stopped at epoch {epoch}, step {step}")
     assert same_weights(weights(tmp_path / "model.pt"), uninterrupted)
