@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import psutil
 import pytest
@@ -278,6 +279,25 @@ def _kill_all(marker: str) -> None:
             pass
 
 
+def _start_in_own_session(cmd: list[str], log: IO[str]) -> subprocess.Popen:
+    """A launcher ``cmd`` in a session of its own (its process group is what a test kills), writing to ``log``."""
+    return subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _resumes_equal(cmd: list[str], tmp_path: Path, text: str,
+                   uninterrupted: dict[str, torch.Tensor]) -> subprocess.CompletedProcess:
+    """After a kill whose log is ``text``: every rank stopped by the SIGTERM its watch sent, at one step of epoch 2,
+    after a checkpoint; ``cmd`` run again resumes at that step and ends bit-equal to ``uninterrupted``."""
+    (sig, epoch, step), = set(STOPPED.findall(text))
+    assert sig == "SIGTERM" and epoch == "2", text[-3000:]
+    resumed = run(cmd, env=CLONE_ENV)
+    assert f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step}" in resumed.stdout
+    print(f"stopped at epoch {epoch}, step {step}")
+    assert same_weights(weights(tmp_path / "model.pt"), uninterrupted)
+    return resumed
+
+
 @pytest.mark.slow
 def test_sigkill_to_the_launchers_process_group_leaves_no_worker_and_the_same_command_resumes_equal(
         tmp_path: Path, prepared: Path, uninterrupted: dict[str, torch.Tensor]) -> None:
@@ -288,8 +308,7 @@ def test_sigkill_to_the_launchers_process_group_leaves_no_worker_and_the_same_co
     log, marker = tmp_path / "log.txt", str(tmp_path)
     cmd = launch(tmp_path, prepared, *EVERY_2)
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = _start_in_own_session(cmd, out)
         try:
             _train_workers(proc, 2)
             second = run(cmd, env=CLONE_ENV, check=False, timeout=300)
@@ -306,14 +325,8 @@ def test_sigkill_to_the_launchers_process_group_leaves_no_worker_and_the_same_co
             _kill_all(marker)
     text = log.read_text()
     assert "the torchrun agent" in text or "the launcher" in text, text[-3000:]
-    (sig, epoch, step), = set(STOPPED.findall(text))  # both ranks stopped at one step, after its checkpoint
-    assert sig == "SIGTERM" and epoch == "2", text[-3000:]
-
-    resumed = run(cmd, env=CLONE_ENV)
+    resumed = _resumes_equal(cmd, tmp_path, text, uninterrupted)
     assert "taking over" in resumed.stderr and f"pid {proc.pid}" in resumed.stderr, resumed.stderr[-2000:]
-    assert f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step}" in resumed.stdout
-    print(f"stopped at epoch {epoch}, step {step}")
-    assert same_weights(weights(tmp_path / "model.pt"), uninterrupted)
 
 
 @pytest.mark.slow
@@ -325,8 +338,7 @@ def test_sigkill_to_the_torchrun_agent_alone_stops_its_workers_and_the_same_comm
     log, marker = tmp_path / "log.txt", str(tmp_path)
     cmd = launch(tmp_path, prepared, *EVERY_2)
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = _start_in_own_session(cmd, out)
         try:
             workers = _train_workers(proc, 2)
             agent = psutil.Process(workers[0].ppid())
@@ -340,12 +352,7 @@ def test_sigkill_to_the_torchrun_agent_alone_stops_its_workers_and_the_same_comm
             _kill_all(marker)
     text = log.read_text()
     assert "was killed by SIGKILL" in text and "the torchrun agent" in text, text[-3000:]
-    (sig, epoch, step), = set(STOPPED.findall(text))
-    assert sig == "SIGTERM" and epoch == "2", text[-3000:]
-    resumed = run(cmd, env=CLONE_ENV)
-    assert f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step}" in resumed.stdout
-    print(f"stopped at epoch {epoch}, step {step}")
-    assert same_weights(weights(tmp_path / "model.pt"), uninterrupted)
+    _resumes_equal(cmd, tmp_path, text, uninterrupted)
 
 
 @pytest.mark.slow
