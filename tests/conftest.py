@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -275,6 +276,37 @@ def wait_for_step_checkpoint(directory: Path, epoch: int, step: int, running: Ca
     while not list(directory.glob(pattern)) and running() and time.time() < deadline:
         time.sleep(0.01)
     assert list(directory.glob(pattern)) and running(), f"no {pattern} in {directory} while the training ran"
+
+
+def training_processes(marker: str) -> list[psutil.Process]:
+    """The processes on this host whose command line names ``marker`` (a test's own directory) or that work in it or
+    below it: a launcher, its torchrun, the workers and their loader workers (forked, the same command line), a DVC
+    experiment's in its temporary workspace."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "cwd", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and p.pid != os.getpid() and (
+                    any(marker in a for a in p.info["cmdline"] or ()) or (p.info["cwd"] or "").startswith(marker)):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def none_left_within(marker: str, seconds: float) -> list[psutil.Process]:
+    """Poll until no process of ``marker``'s training is left, at most ``seconds``; those still there."""
+    deadline = time.time() + seconds
+    while (left := training_processes(marker)) and time.time() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def kill_all(marker: str) -> None:
+    for p in training_processes(marker):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
 
 
 def torchrun(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:

@@ -23,10 +23,13 @@ from tests.conftest import (
     STOPPED,
     args_for,
     free_port,
+    kill_all,
+    none_left_within,
     prepare_generated_folder,
     run,
     same_weights,
     subprocess_env,
+    training_processes,
     wait_for_step_checkpoint,
     weights,
 )
@@ -249,36 +252,6 @@ def test_a_training_stopped_at_two_processes_resumes_at_one_and_takes_the_same_s
     assert same_weights(weights(tmp_path / "model.pt"), weights(whole / "model.pt"))
 
 
-def _training_processes(marker: str) -> list[psutil.Process]:
-    """The processes on this host whose command line or working directory names ``marker`` (a test's own directory):
-    a launcher, its torchrun, the workers and their loader workers (forked, the same command line)."""
-    found = []
-    for p in psutil.process_iter(["cmdline", "cwd", "status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and p.pid != os.getpid() and (
-                    any(marker in a for a in p.info["cmdline"] or ()) or marker == (p.info["cwd"] or "")):
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
-
-
-def _none_left_within(marker: str, seconds: float) -> list[psutil.Process]:
-    """Poll until no process of ``marker``'s training is left, at most ``seconds``; those still there."""
-    deadline = time.time() + seconds
-    while (left := _training_processes(marker)) and time.time() < deadline:
-        time.sleep(0.1)
-    return left
-
-
-def _kill_all(marker: str) -> None:
-    for p in _training_processes(marker):
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-
-
 def _start_in_own_session(cmd: list[str], log: IO[str]) -> subprocess.Popen:
     """A launcher ``cmd`` in a session of its own (its process group is what a test kills), writing to ``log``."""
     return subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=log, stderr=subprocess.STDOUT,
@@ -318,11 +291,11 @@ def test_sigkill_to_the_launchers_process_group_leaves_no_worker_and_the_same_co
             os.killpg(proc.pid, signal.SIGKILL)
             killed = time.time()
             proc.wait()
-            left = _none_left_within(marker, 5.0)
+            left = none_left_within(marker, 5.0)
             assert not left, f"still running 5 s after the kill: {[p.info['cmdline'] for p in left]}"
             print(f"every process gone {time.time() - killed:.1f} s after the SIGKILL")
         finally:
-            _kill_all(marker)
+            kill_all(marker)
     text = log.read_text()
     assert "the torchrun agent" in text or "the launcher" in text, text[-3000:]
     resumed = _resumes_equal(cmd, tmp_path, text, uninterrupted)
@@ -346,10 +319,10 @@ def test_sigkill_to_the_torchrun_agent_alone_stops_its_workers_and_the_same_comm
             wait_for_step_checkpoint(tmp_path / "ckpt", 2, 2, lambda: proc.poll() is None)
             agent.kill()
             assert proc.wait(timeout=120) == 128 + signal.SIGKILL
-            left = _none_left_within(marker, 2.0)
+            left = none_left_within(marker, 2.0)
             assert not left, f"still running after the launcher ended: {[p.info['cmdline'] for p in left]}"
         finally:
-            _kill_all(marker)
+            kill_all(marker)
     text = log.read_text()
     assert "was killed by SIGKILL" in text and "the torchrun agent" in text, text[-3000:]
     _resumes_equal(cmd, tmp_path, text, uninterrupted)
@@ -372,10 +345,10 @@ def test_sigkill_to_dvc_repro_leaves_a_step_checkpoint_and_the_next_repro_resume
             wait_for_step_checkpoint(repro_clone / "checkpoints", 2, 2, lambda: proc.poll() is None)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            left = _none_left_within(marker, 5.0)
+            left = none_left_within(marker, 5.0)
             assert not left, f"still running 5 s after the kill: {[p.info['cmdline'] for p in left]}"
         finally:
-            _kill_all(marker)
+            kill_all(marker)
     text = log.read_text()
     (sig, epoch, step), = set(STOPPED.findall(text))
     assert sig == "SIGTERM" and epoch == "2", text[-3000:]
@@ -421,7 +394,7 @@ def test_sigkill_to_one_node_of_two_stops_every_rank_at_one_step_and_both_nodes_
         killed = nodes[ranks[0]]
         os.killpg(killed.pid, signal.SIGKILL)
         killed.wait()
-        workers = [p for p in _training_processes(marker) if "torch.distributed.run" not in " ".join(p.cmdline())
+        workers = [p for p in training_processes(marker) if "torch.distributed.run" not in " ".join(p.cmdline())
                    and "ddpipe.launch" not in " ".join(p.cmdline())]
         deadline = time.time() + 5
         while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers) and time.time() < deadline:
@@ -430,7 +403,7 @@ def test_sigkill_to_one_node_of_two_stops_every_rank_at_one_step_and_both_nodes_
         assert not left, f"workers still running 5 s after the kill: {[p.cmdline() for p in left]}"
         assert nodes[1 - ranks[0]].wait(timeout=120) != 0  # the other node ends, without a checkpoint of its own
     finally:
-        _kill_all(marker)
+        kill_all(marker)
     text = "".join(log.read_text() for log in logs)
     (sig, epoch, step), = set(STOPPED.findall(text))  # both ranks, on both nodes, stopped at one step
     assert sig == "SIGTERM" and epoch == "2" and len(STOPPED.findall(text)) == 2, text[-4000:]

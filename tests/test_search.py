@@ -3,17 +3,35 @@ every rank after the same epoch; a real study of DVC experiments, continued, wit
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
 from ddpipe.config.load import load_config
 from ddpipe.config.schema import ConfigError
 from ddpipe.search.space import make_plan, override_text
-from tests.conftest import CLONE_ENV, GIT_ENV, PARAMS, args_for, run, torchrun
+from tests.conftest import (
+    CLONE_ENV,
+    GIT_ENV,
+    PARAMS,
+    args_for,
+    kill_all,
+    none_left_within,
+    run,
+    same_weights,
+    subprocess_env,
+    torchrun,
+    wait_for_step_checkpoint,
+    weights,
+)
 
 LR = "search.space.train.base_lr=loguniform(1e-4, 1e-1)"
 
@@ -92,15 +110,15 @@ def test_a_storage_that_does_not_answer_fails_before_any_trial(tmp_path: Path, c
     assert list(tmp_path.iterdir()) == []
 
 
-def test_trials_of_a_killed_driver_are_failed_and_queued_again_once(tmp_path: Path) -> None:
-    """A driver SIGKILLed leaves its trials RUNNING: the next run fails those whose driver on this host is gone and
-    queues each again with its params (Optuna's retry callback); a live driver's trial is left alone."""
+def test_trials_of_a_gone_driver_are_taken_over_under_their_numbers_once(tmp_path: Path) -> None:
+    """A driver SIGKILLed leaves its trials RUNNING: the next run takes over those whose driver on this host is gone,
+    to run them again under their numbers; a live driver's trial is left alone, and nothing is taken twice."""
     import socket
 
     import optuna
 
     from ddpipe.core.processes import start_time
-    from ddpipe.search.study import close_stale, driver_mark, open_study
+    from ddpipe.search.study import driver_mark, open_study, orphans
 
     plan = _plan(tmp_path, LR, "search.first=[]")
     study = open_study(plan)
@@ -109,12 +127,11 @@ def test_trials_of_a_killed_driver_are_failed_and_queued_again_once(tmp_path: Pa
     dists = {k: d.to_optuna() for k, d in plan.space.items()}
     orphan, live = study.ask(dists), study.ask(dists)
     orphan.set_user_attr("driver", {"host": socket.gethostname(), "pid": dead.pid, "started": start_time(dead.pid)})
-    live.set_user_attr("driver", driver_mark())
-    assert close_stale(study) == [orphan.number]
-    states = [t.state for t in study.trials]
-    assert states == [optuna.trial.TrialState.FAIL, optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING]
-    assert study.trials[2].params == orphan.params
-    assert close_stale(study) == []  # nothing twice
+    live.set_user_attr("driver", {**driver_mark(), "pid": os.getppid(), "started": start_time(os.getppid())})
+    assert [t.number for t in orphans(study)] == [orphan.number]
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.RUNNING] * 2 and len(study.trials) == 2
+    assert study.trials[orphan.number].user_attrs["driver"] == driver_mark()
+    assert orphans(study) == []  # taken: nothing twice
 
 
 def test_a_two_process_trial_is_pruned_on_every_rank_after_the_same_epoch(tmp_path: Path, prepared: Path) -> None:
@@ -217,3 +234,74 @@ def test_a_study_of_dvc_experiments_prunes_continues_and_names_its_best(repro_cl
     assert "| 2 | PRUNED at epoch 1 |" in status and f"| lr-{top.number} |" in status
     run(["dvc", "exp", "apply", best["experiment"]], cwd=clone, env=CLONE_ENV)
     assert "up to date" in run(["dvc", "status"], cwd=clone, env=CLONE_ENV).stdout.lower()
+
+
+def _launcher_of(driver: subprocess.Popen) -> psutil.Process:
+    """The train stage's launcher (``python stages/train.py``) under the search's driver."""
+    for p in psutil.Process(driver.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "stages/train.py" in p.cmdline():
+                return p
+    raise AssertionError("no stages/train.py under the driver")
+
+
+def _model_weights(clone: Path, experiment: str) -> dict:
+    """The weights of ``experiment``'s model, from the DVC cache by its dvc.lock."""
+    (ref,) = [r for r in run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], cwd=clone).stdout.split()
+              if r.endswith(f"/{experiment}")]
+    lock = yaml.safe_load(run(["git", "show", f"{ref}:dvc.lock"], cwd=clone).stdout)
+    (md5,) = [o["md5"] for o in lock["stages"]["train"]["outs"] if o["path"].endswith("model.pt")]
+    return weights(clone / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:])
+
+
+@pytest.mark.slow
+def test_a_stopped_trial_and_a_killed_driver_resume_bit_equal_under_their_numbers(repro_clone: Path) -> None:
+    """Trial 0's training SIGTERMed inside epoch 2: the driver runs it again under number 0 from its step checkpoint.
+    Then the driver's process group SIGKILLed inside trial 1's epoch 2: nothing is left running, trial 1 stays
+    RUNNING, and the same command resumes it under number 1; the study ends with exactly 2 trials, one MLflow run
+    each, and both models are bit-equal to an uninterrupted study's."""
+    import optuna
+    from mlflow import MlflowClient
+
+    clone = repro_clone
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    params["num_epochs"] = 3
+    params["mlflow"]["log_model"] = False
+    params["train"]["checkpoint_every_steps"] = 2  # a moment inside epoch 2 to stop at, however fast the host
+    params["search"].update(study="r", trials=2, jobs=1, space={"train.base_lr": "loguniform(1e-4, 1e-1)"},
+                            first=[{"train.base_lr": 0.003}, {"train.base_lr": 0.01}])
+    (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    run(["git", "commit", "-qam", "a search"], cwd=clone, env=GIT_ENV)
+    folder, log = clone / "search" / "r", clone / "driver.log"
+    with open(log, "w") as out:
+        driver = subprocess.Popen([sys.executable, "-m", "ddpipe.search", "run"], cwd=clone, stdout=out,
+                                  stderr=subprocess.STDOUT, env=subprocess_env(CLONE_ENV), start_new_session=True)
+        try:
+            wait_for_step_checkpoint(folder / "trial-0" / "checkpoints", 2, 2, lambda: driver.poll() is None)
+            _launcher_of(driver).send_signal(signal.SIGTERM)
+            wait_for_step_checkpoint(folder / "trial-1" / "checkpoints", 2, 2, lambda: driver.poll() is None)
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+            left = none_left_within(str(clone), 10.0)
+            assert not left, f"still running 10 s after the kill: {[p.info['cmdline'] for p in left]}"
+        finally:
+            kill_all(str(clone))
+    first = log.read_text()
+    assert "trial 0: training stopped by SIGTERM at epoch 2" in first and "trial 0 (attempt 2)" in first, first[-3000:]
+
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(folder / "study.journal")))
+    assert [t.state.name for t in optuna.load_study(study_name="r", storage=storage).trials] == ["COMPLETE", "RUNNING"]
+    again = run([sys.executable, "-m", "ddpipe.search", "run"], cwd=clone, env=CLONE_ENV, timeout=600).stdout
+    assert "trial(s) 1 lost their driver: resumed under the same number" in again and "trial 1 (attempt 2)" in again
+    study = optuna.load_study(study_name="r", storage=storage)
+    assert [(t.state.name, t.user_attrs["attempts"]) for t in study.trials] == [("COMPLETE", 2), ("COMPLETE", 2)]
+    assert not (folder / "trial-0").exists() and not (folder / "trial-1").exists()  # checkpoints go with the trial
+
+    client = MlflowClient(f"sqlite:///{clone}/mlflow.db")
+    children = client.search_runs([client.get_experiment_by_name("ddpipe").experiment_id],
+                                  filter_string="tags.`mlflow.runName` LIKE 'r-%'")
+    assert sorted((c.info.run_name, c.info.status) for c in children) == [("r-0", "FINISHED"), ("r-1", "FINISHED")]
+
+    run([sys.executable, "-m", "ddpipe.search", "run", "search.study=u"], cwd=clone, env=CLONE_ENV, timeout=600)
+    for n in (0, 1):
+        assert same_weights(_model_weights(clone, f"r-{n}"), _model_weights(clone, f"u-{n}")), f"trial {n}"

@@ -7,6 +7,12 @@ workers do), its MLflow run a child of the study's parent run. The trial's train
 :data:`~ddpipe.engine.pruning.TRIAL_ENV` in its environment, reports each epoch and may be pruned: its stage then
 fails, so a pruned trial leaves no DVC experiment (its MLflow run, KILLED and tagged, and the study keep it). All of
 Optuna's calls are made from this one thread; the experiments run as child processes, polled.
+
+A trial stopped by a signal (SIGTERM, SIGUSR1: its training checkpoints the step and says so to the study) runs again
+under its number, from that step: its checkpoints live in ``search/<study>/trial-<n>/checkpoints``, outside the
+temporary workspace. A driver that is stopped (SIGTERM, Ctrl-C) stops its trials so, and one that is killed leaves them
+to stop so (their workers follow their launcher); either way their trials stay RUNNING, and the next ``run`` on this
+host resumes each under its number (or records it, when its experiment was finished), before it asks for new ones.
 """
 
 from __future__ import annotations
@@ -14,27 +20,39 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import signal
 import subprocess
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ddpipe.engine.pruning import TRIAL_ENV
 from ddpipe.search.space import Plan, override_text
-from ddpipe.search.study import SearchError, close_stale, driver_mark, give_back, open_study
+from ddpipe.search.study import SearchError, close_stale, driver_mark, open_study, orphans
 
 POLL_S = 1.0
 MAX_FAILED_IN_A_ROW = 3  # a search whose trainings keep failing stops instead of failing every trial
 
 
+class Stopped(BaseException):
+    """The driver was sent SIGTERM or SIGUSR1: its trials stop at a step and the next ``run`` resumes them."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
 @dataclass
 class Running:
-    """A trial and the ``dvc exp run`` running it."""
+    """A trial and the ``dvc exp run`` running its ``attempt`` (1, then one more each time it is resumed)."""
 
     trial: Any
     process: subprocess.Popen
     log: Path
+    attempt: int
 
     @property
     def experiment(self) -> str:
@@ -43,6 +61,11 @@ class Running:
 
 def experiment_name(study: str, number: int) -> str:
     return f"{study}-{number}"
+
+
+def trial_folder(plan: Plan, number: int) -> Path:
+    """Where a trial keeps what outlives its experiment's temporary workspace: its checkpoints."""
+    return plan.folder.resolve() / f"trial-{number}"
 
 
 def command(plan: Plan, trial: Any) -> list[str]:
@@ -61,63 +84,113 @@ def finished(study: Any) -> int:
 
 def run(plan: Plan, root: Path, say: Any = print) -> Any:
     """Run the search of ``plan`` in the repository at ``root`` until the study holds ``search.trials`` finished
-    trials; returns the study."""
+    trials; returns the study. SIGTERM or SIGUSR1 stops it (:class:`Stopped`) as Ctrl-C does, trials resumable."""
     study = open_study(plan)
+    plan.folder.mkdir(parents=True, exist_ok=True)
+    resume = orphans(study)  # before close_stale, which would fail a database trial whose heartbeat went quiet
+    if resume:
+        say(f"search {plan.settings.study}: trial(s) {', '.join(str(t.number) for t in resume)} lost their driver: "
+            "resumed under the same number from their checkpoints")
     if closed := close_stale(study):
         say(f"search {plan.settings.study}: trial(s) {', '.join(map(str, closed))} had no driver any more: failed, "
             "queued again with the same params")
-    plan.folder.mkdir(parents=True, exist_ok=True)
     running: list[Running] = []
     failed_in_a_row = 0
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         while True:
+            while len(running) < plan.settings.jobs and resume:
+                if (started := again(plan, study, root, resume.pop(0), say)) is not None:
+                    running.append(started)
             while (len(running) < plan.settings.jobs and failed_in_a_row < MAX_FAILED_IN_A_ROW
                    and finished(study) + len(running) < plan.settings.trials):
                 running.append(start(plan, study, root, say))
-            if not running:
+            if not running and not resume:
                 break
             time.sleep(POLL_S)
-            heartbeat(study, running)
+            heartbeat(study, [r.trial._trial_id for r in running] + [t._trial_id for t in resume])
             for done in [r for r in running if r.process.poll() is not None]:
                 running.remove(done)
                 state = record(plan, study, done, say)
+                if state == "STOPPED":
+                    resume.append(study.trials[done.trial.number])
                 failed_in_a_row = failed_in_a_row + 1 if state == "FAIL" else 0
-    except BaseException:  # Ctrl-C or an error: the experiments stop with us, their trials are queued again
+    except BaseException as exc:  # Ctrl-C, SIGTERM or an error: the trainings stop at a step, their trials resumable
         for r in running:
             stop(r.process)
-            give_back(study, study.trials[r.trial.number])
+        if running:
+            say(f"search {plan.settings.study}: {type(exc).__name__}: trial(s) "
+                f"{', '.join(str(r.trial.number) for r in running)} stopped at their last step; the same command "
+                "resumes them under their numbers")
         raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if failed_in_a_row >= MAX_FAILED_IN_A_ROW:
         raise SearchError(f"search {plan.settings.study}: {failed_in_a_row} trials failed in a row; see their logs in "
                            f"{plan.folder} (python -m ddpipe.search status)")
     return study
 
 
-def start(plan: Plan, study: Any, root: Path, say: Any) -> Running:
-    """Ask the study for the next trial and start its experiment."""
-    trial = study.ask({key: d.to_optuna() for key, d in plan.space.items()})
+def _stop(signum: int, frame: Any) -> None:
+    raise Stopped(signum)
+
+
+def start(plan: Plan, study: Any, root: Path, say: Any, resumed: Any = None) -> Running:
+    """Ask the study for the next trial (or take ``resumed``, a trial to run again) and start its experiment."""
+    with warnings.catch_warnings():  # a database's heartbeat is recorded here, not by Study.optimize: it is meant
+        warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used", UserWarning)
+        trial = resumed if resumed is not None else study.ask({k: d.to_optuna() for k, d in plan.space.items()})
     name = experiment_name(plan.settings.study, trial.number)
+    attempt = int(trial.user_attrs.get("attempts", 0)) + 1
     trial.set_user_attr("driver", driver_mark())
     trial.set_user_attr("experiment", name)
+    trial.set_user_attr("attempts", attempt)
     spec = {"storage": plan.storage, "study": plan.settings.study, "trial": trial.number,
             "trial_id": trial._trial_id,  # Optuna's id of the trial (Trial(study, trial_id) opens it in the training)
             "metric": plan.settings.metric, "pruner": plan.settings.pruner,
-            "startup_trials": plan.settings.startup_trials}
+            "startup_trials": plan.settings.startup_trials, "attempt": attempt,
+            "checkpoints": str(trial_folder(plan, trial.number) / "checkpoints")}
     log = plan.folder / f"trial-{trial.number}.log"
     cmd = command(plan, trial)
-    say(f"trial {trial.number}: {' '.join(cmd)}  (log: {log})")
-    with open(log, "w") as out:
+    say(f"trial {trial.number}{f' (attempt {attempt})' if attempt > 1 else ''}: {' '.join(cmd)}  (log: {log})")
+    with open(log, "a" if attempt > 1 else "w") as out:
         process = subprocess.Popen(cmd, cwd=root, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    env={**os.environ, TRIAL_ENV: json.dumps(spec)})
-    return Running(trial, process, log)
+    return Running(trial, process, log, attempt)
 
 
-def heartbeat(study: Any, running: list[Running]) -> None:
-    """A database's heartbeat of every running trial (a journal file has none: see close_stale)."""
+def again(plan: Plan, study: Any, root: Path, frozen: Any, say: Any) -> Running | None:
+    """Run a stopped trial (a FrozenTrial, RUNNING) again under its number, from its checkpoints; or, when its
+    experiment was finished and only the telling was lost with its driver, record it (returns None)."""
+    import optuna
+
+    trial = optuna.trial.Trial(study, frozen._trial_id)
+    name = experiment_name(plan.settings.study, frozen.number)
+    if has_experiment(root, name) and frozen.intermediate_values:
+        values = list(frozen.intermediate_values.values())
+        value = max(values) if plan.settings.direction == "maximize" else min(values)
+        study.tell(trial, value)
+        say(f"trial {frozen.number}: its DVC experiment {name} was finished: completed, {plan.settings.metric} "
+            f"{value:.4f}")
+        shutil.rmtree(trial_folder(plan, frozen.number), ignore_errors=True)
+        return None
+    return start(plan, study, root, say, resumed=trial)
+
+
+def has_experiment(root: Path, name: str) -> bool:
+    """Whether the DVC experiment ``name`` exists (refs/exps/<..>/<baseline>/<name>)."""
+    refs = subprocess.run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], cwd=root, text=True,
+                          capture_output=True).stdout.split()
+    return any(ref.count("/") >= 4 and ref.rsplit("/", 1)[1] == name for ref in refs)
+
+
+def heartbeat(study: Any, trial_ids: list[int]) -> None:
+    """A database's heartbeat of every trial this driver holds (a journal file has none: see study.orphans)."""
     store = study._storage  # the storage the study was opened with (Optuna keeps no public handle on it)
     if getattr(store, "get_heartbeat_interval", lambda: None)():
-        for r in running:
-            store.record_heartbeat(r.trial._trial_id)
+        for trial_id in trial_ids:
+            store.record_heartbeat(trial_id)
 
 
 def stop(process: subprocess.Popen) -> None:
@@ -136,25 +209,33 @@ def stop(process: subprocess.Popen) -> None:
 
 def record(plan: Plan, study: Any, done: Running, say: Any) -> str:
     """Tell the study how ``done`` ended: COMPLETE with its best epoch's metric, PRUNED (the training said at which
-    epoch), or FAIL; returns the state's name."""
+    epoch), or FAIL; or nothing when its training was stopped by a signal (STOPPED: it runs again under its number).
+    Returns the state's name."""
     from optuna.trial import TrialState
 
     frozen = study.trials[done.trial.number]
     values = list(frozen.intermediate_values.values())
     number, code = done.trial.number, done.process.returncode
+    stopped = frozen.user_attrs.get("stopped") or {}
+    if code and stopped.get("attempt") == done.attempt and "pruned_epoch" not in frozen.user_attrs:
+        say(f"trial {number}: training {stopped.get('at', 'stopped')}; it runs again under the same number from there")
+        return "STOPPED"
     if code == 0 and values:
         value = max(values) if plan.settings.direction == "maximize" else min(values)
         study.tell(done.trial, value)
         say(f"trial {number}: completed, {plan.settings.metric} {value:.4f}, DVC experiment {done.experiment}")
-        return "COMPLETE"
-    if "pruned_epoch" in frozen.user_attrs:
+        state = "COMPLETE"
+    elif "pruned_epoch" in frozen.user_attrs:
         study.tell(done.trial, state=TrialState.PRUNED)
         say(f"trial {number}: pruned after epoch {frozen.user_attrs['pruned_epoch']} (no DVC experiment)")
-        return "PRUNED"
-    tail = done.log.read_text(errors="replace").strip().splitlines()[-1:] if done.log.exists() else []
-    why = f"dvc exp run exited {code}: {tail[0][:300] if tail else ''}" if code else \
-        f"the training reported no {plan.settings.metric} (is {TRIAL_ENV} reaching it?)"
-    done.trial.set_user_attr("failure", why)
-    study.tell(done.trial, state=TrialState.FAIL)
-    say(f"trial {number}: failed ({why}); log: {done.log}")
-    return "FAIL"
+        state = "PRUNED"
+    else:
+        tail = done.log.read_text(errors="replace").strip().splitlines()[-1:] if done.log.exists() else []
+        why = f"dvc exp run exited {code}: {tail[0][:300] if tail else ''}" if code else \
+            f"the training reported no {plan.settings.metric} (is {TRIAL_ENV} reaching it?)"
+        done.trial.set_user_attr("failure", why)
+        study.tell(done.trial, state=TrialState.FAIL)
+        say(f"trial {number}: failed ({why}); log: {done.log}")
+        state = "FAIL"
+    shutil.rmtree(trial_folder(plan, number), ignore_errors=True)  # its checkpoints: the trial is over
+    return state
