@@ -22,7 +22,9 @@ from tests.conftest import (
     CLONE_ENV,
     GIT_ENV,
     PARAMS,
+    ROOT,
     args_for,
+    free_port,
     kill_all,
     none_left_within,
     run,
@@ -134,9 +136,12 @@ def test_trials_of_a_gone_driver_are_taken_over_under_their_numbers_once(tmp_pat
     assert orphans(study) == []  # taken: nothing twice
 
 
-def test_a_two_process_trial_is_pruned_on_every_rank_after_the_same_epoch(tmp_path: Path, prepared: Path) -> None:
-    """Rank 0 reports epoch 1 below the median of a finished trial; both ranks stop after it, the run is KILLED and
-    says pruned, no model is written, the study records the epoch."""
+@pytest.mark.parametrize("nodes", [1, 2], ids=["2 processes on 1 node", "2 nodes of 1 process"])
+def test_a_two_process_trial_is_pruned_on_every_rank_after_the_same_epoch(tmp_path: Path, prepared: Path,
+                                                                          nodes: int) -> None:
+    """Rank 0 reports epoch 1 below the median of a finished trial; both ranks stop after it (on one node, or on two
+    nodes of this host through a c10d rendezvous), the run is KILLED and says pruned, no model is written, the study
+    records the epoch."""
     import optuna
 
     from ddpipe.engine.pruning import TRIAL_ENV, make_pruner, open_storage
@@ -151,11 +156,19 @@ def test_a_two_process_trial_is_pruned_on_every_rank_after_the_same_epoch(tmp_pa
     spec = {"storage": journal, "study": "s", "trial": trial.number, "trial_id": trial._trial_id,
             "metric": "val_accuracy", "pruner": "median", "startup_trials": 1}
     out = tmp_path / "out"
-    result = run(torchrun(2, *args_for(out, prepared, "num_epochs=3", "train.base_lr=1e-8",
-                                       "distributed.threads_per_process=1", "mlflow.sweep=s")),
-                 env={TRIAL_ENV: json.dumps(spec)}, check=False)
-    log = result.stdout + result.stderr
-    assert result.returncode != 0
+    args = args_for(out, prepared, "num_epochs=3", "train.base_lr=1e-8", "distributed.threads_per_process=1",
+                    "mlflow.sweep=s")
+    env = subprocess_env({TRIAL_ENV: json.dumps(spec)})
+    if nodes == 1:
+        launchers = [subprocess.Popen(torchrun(2, *args), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)]
+    else:
+        node = [sys.executable, "-m", "ddpipe.launch", *args, "distributed.nproc_per_node=1", "distributed.nnodes=2",
+                f"distributed.rdzv_endpoint=127.0.0.1:{free_port()}", "distributed.rdzv_id=pruned"]
+        launchers = [subprocess.Popen(node, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True) for _ in range(2)]
+    log = "".join(p.communicate(timeout=600)[0] for p in launchers)
+    assert all(p.returncode != 0 for p in launchers), log[-4000:]
     assert log.count(f"trial {trial.number} of search 's' pruned after epoch 1 of 3") == 2, log[-4000:]  # each rank
     assert "epoch 2/3" not in log and not (out / "model.pt").exists() and not (out / "train.json").exists()
     frozen = study.trials[trial.number]
@@ -268,6 +281,7 @@ def test_a_stopped_trial_and_a_killed_driver_resume_bit_equal_under_their_number
     params["num_epochs"] = 3
     params["mlflow"]["log_model"] = False
     params["train"]["checkpoint_every_steps"] = 2  # a moment inside epoch 2 to stop at, however fast the host
+    params["distributed"]["threads_per_process"] = 1  # the same arithmetic whatever else runs on the host
     params["search"].update(study="r", trials=2, jobs=1, space={"train.base_lr": "loguniform(1e-4, 1e-1)"},
                             first=[{"train.base_lr": 0.003}, {"train.base_lr": 0.01}])
     (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))

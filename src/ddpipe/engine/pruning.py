@@ -120,7 +120,7 @@ def after_epoch(stats: EpochStats, tracker: Any, info: DistInfo, num_epochs: int
     stop (raise :class:`TrialPruned` on every rank, after rank 0 logged ``pruned_at_epoch``); else nothing."""
     if (trial := _this_trial(info)) is None:
         return
-    if why := trial.should_stop(stats, getattr(tracker, "run_id", None), num_epochs):
+    if why := trial.should_stop(stats, tracker.store_id(), num_epochs):  # the store's id once it has the run
         tracker.log_metrics({"pruned_at_epoch": stats.epoch}, step=stats.epoch)
         raise TrialPruned(trial.spec["study"], int(trial.spec["trial"]), stats.epoch, num_epochs, why)
 

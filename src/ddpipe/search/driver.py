@@ -82,6 +82,14 @@ def finished(study: Any) -> int:
     return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
 
 
+def in_flight(study: Any) -> int:
+    """The study's RUNNING trials: this driver's, those it will resume, and other drivers' (several drivers, on this
+    host or others sharing a database, end the study together at ``search.trials``)."""
+    from optuna.trial import TrialState
+
+    return len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+
+
 def run(plan: Plan, root: Path, say: Any = print) -> Any:
     """Run the search of ``plan`` in the repository at ``root`` until the study holds ``search.trials`` finished
     trials; returns the study. SIGTERM or SIGUSR1 stops it (:class:`Stopped`) as Ctrl-C does, trials resumable."""
@@ -103,7 +111,7 @@ def run(plan: Plan, root: Path, say: Any = print) -> Any:
                 if (started := again(plan, study, root, resume.pop(0), say)) is not None:
                     running.append(started)
             while (len(running) < plan.settings.jobs and failed_in_a_row < MAX_FAILED_IN_A_ROW
-                   and finished(study) + len(running) < plan.settings.trials):
+                   and finished(study) + in_flight(study) < plan.settings.trials):
                 running.append(start(plan, study, root, say))
             if not running and not resume:
                 break

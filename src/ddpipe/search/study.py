@@ -45,15 +45,18 @@ def storage(plan: Plan, for_driver: bool = False) -> Any:
                           "~/.pgpass) or null (a journal file in the repository)") from None
 
 
-def sampler(plan: Plan) -> Any:
-    """Optuna's sampler of ``search.sampler``, seeded from ``seed``."""
+def sampler(plan: Plan, drawn: int = 0) -> Any:
+    """Optuna's sampler of ``search.sampler``, seeded from ``seed`` and the ``drawn`` trials the study holds: a
+    continued study draws new points (a sampler seeded as at its start would repeat its first random ones), and the
+    same study with the same history draws the same."""
     import optuna
 
+    seed = plan.seed + drawn
     if plan.settings.sampler == "grid":
-        return optuna.samplers.GridSampler({k: d.grid() for k, d in plan.space.items()}, seed=plan.seed)
+        return optuna.samplers.GridSampler({k: d.grid() for k, d in plan.space.items()}, seed=seed)
     if plan.settings.sampler == "random":
-        return optuna.samplers.RandomSampler(seed=plan.seed)
-    return optuna.samplers.TPESampler(seed=plan.seed)
+        return optuna.samplers.RandomSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
 
 
 def open_study(plan: Plan) -> Any:
@@ -69,6 +72,7 @@ def open_study(plan: Plan) -> Any:
         raise ConfigError(f"search.direction = {plan.settings.direction!r} is not accepted for the existing study "
                           f"{plan.settings.study!r}, which maximizes or minimizes the other way; expected "
                           f"{study.direction.name.lower()!r}, or a new search.study")
+    study.sampler = sampler(plan, len(study.get_trials(deepcopy=False)))
     if not study.get_trials(deepcopy=False):
         for params in plan.first:
             study.enqueue_trial(params, skip_if_exists=True)

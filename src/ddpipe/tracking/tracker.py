@@ -40,6 +40,7 @@ from ddpipe.tracking.store import (
     dvc_hash,
     experiment_id,
     git_tags,
+    open_client,
     redact,
     repo_root,
     runs_view_url,
@@ -162,7 +163,7 @@ class MlflowTracker(Tracker):
         import mlflow
 
         mlflow.set_tracking_uri(self.uri)
-        client = mlflow.MlflowClient(self.uri)
+        client = open_client(self.uri)
         self.experiment_id = experiment_id(mlflow, self.cfg.experiment_name, self.uri)
         if self.cfg.sweep:
             tags = {**tags, "mlflow.parentRunId": sweep_parent(client, self.uri, self.experiment_id, self.cfg.sweep)}
