@@ -205,8 +205,7 @@ class MlflowTracker(Tracker):
         atomic_write_json(self.marker, {"run_id": run_id, "tracking_uri": redact(self.uri), **this_process()})
 
     def _close_orphans(self, markers: Path, keep: str | None) -> None:
-        """FAILED, with the reason, for each run a killed attempt left RUNNING (other than ``keep``): a record after
-        whatever of that run still waits in its outbox."""
+        """FAILED, with the reason, for each run a killed attempt left RUNNING (but ``keep``), after its outbox."""
         for path in sorted(Path(markers).glob("mlflow-run-*.json")):
             try:
                 marker = json.loads(path.read_text())
