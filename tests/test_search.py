@@ -22,15 +22,12 @@ from tests.conftest import (
     CLONE_ENV,
     GIT_ENV,
     PARAMS,
-    ROOT,
-    args_for,
-    free_port,
     kill_all,
     none_left_within,
+    prune_a_two_process_trial,
     run,
     same_weights,
     subprocess_env,
-    torchrun,
     wait_for_step_checkpoint,
     weights,
 )
@@ -142,40 +139,9 @@ def test_a_two_process_trial_is_pruned_on_every_rank_after_the_same_epoch(tmp_pa
     """Rank 0 reports epoch 1 below the median of a finished trial; both ranks stop after it (on one node, or on two
     nodes of this host through a c10d rendezvous), the run is KILLED and says pruned, no model is written, the study
     records the epoch."""
-    import optuna
-
-    from ddpipe.engine.pruning import TRIAL_ENV, make_pruner, open_storage
-
-    journal = str(tmp_path / "study.journal")
-    study = optuna.create_study(study_name="s", storage=open_storage(journal), direction="maximize",
-                                pruner=make_pruner("median", 1))
-    dist = optuna.distributions.FloatDistribution(1e-8, 1.0, log=True)
-    study.add_trial(optuna.create_trial(params={"train.base_lr": 0.003}, distributions={"train.base_lr": dist},
-                                        value=0.9, intermediate_values={1: 0.9, 2: 0.9, 3: 0.9}))
-    trial = study.ask({"train.base_lr": dist})
-    spec = {"storage": journal, "study": "s", "trial": trial.number, "trial_id": trial._trial_id,
-            "metric": "val_accuracy", "pruner": "median", "startup_trials": 1}
-    out = tmp_path / "out"
-    args = args_for(out, prepared, "num_epochs=3", "train.base_lr=1e-8", "distributed.threads_per_process=1",
-                    "mlflow.sweep=s")
-    env = subprocess_env({TRIAL_ENV: json.dumps(spec)})
-    if nodes == 1:
-        launchers = [subprocess.Popen(torchrun(2, *args), cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True)]
-    else:
-        node = [sys.executable, "-m", "ddpipe.launch", *args, "distributed.nproc_per_node=1", "distributed.nnodes=2",
-                f"distributed.rdzv_endpoint=127.0.0.1:{free_port()}", "distributed.rdzv_id=pruned"]
-        launchers = [subprocess.Popen(node, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True) for _ in range(2)]
-    log = "".join(p.communicate(timeout=600)[0] for p in launchers)
-    assert all(p.returncode != 0 for p in launchers), log[-4000:]
-    assert log.count(f"trial {trial.number} of search 's' pruned after epoch 1 of 3") == 2, log[-4000:]  # each rank
-    assert "epoch 2/3" not in log and not (out / "model.pt").exists() and not (out / "train.json").exists()
-    frozen = study.trials[trial.number]
-    assert frozen.user_attrs["pruned_epoch"] == 1 and list(frozen.intermediate_values) == [1]
-
     from mlflow import MlflowClient
 
+    frozen, out = prune_a_two_process_trial(tmp_path, prepared, str(tmp_path / "study.journal"), "s", nodes)
     client = MlflowClient(f"sqlite:///{out}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("ddpipe").experiment_id])
     (pruned,) = [r for r in runs if "ddpipe.sweep_parent" not in r.data.tags]

@@ -11,6 +11,7 @@ and pruner are opened here, the one place both the search's driver and the train
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import warnings
@@ -50,6 +51,10 @@ def open_storage(where: str, **rdb_options: Any) -> Any:
     import optuna
 
     if "://" in where:
+        # SQLAlchemy before 2.1 opens postgresql:// with psycopg2, which ddpipe does not install; psycopg 3 is what its
+        # server extra installs and MLflow's server uses (postgresql+psycopg://), so a plain URL goes through it
+        if where.startswith("postgresql://") and importlib.util.find_spec("psycopg2") is None:
+            where = "postgresql+psycopg://" + where.removeprefix("postgresql://")
         return optuna.storages.RDBStorage(where, **rdb_options)
     Path(where).parent.mkdir(parents=True, exist_ok=True)
     return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(where))
