@@ -148,6 +148,7 @@ def start(plan: Plan, study: Any, root: Path, say: Any, resumed: Any = None) -> 
     """Ask the study for the next trial (or take ``resumed``, a trial to run again) and start its experiment."""
     with warnings.catch_warnings():  # a database's heartbeat is recorded here, not by Study.optimize: it is meant
         warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used", UserWarning)
+        warnings.filterwarnings("ignore", "Fixed parameter .* is out of range", UserWarning)  # run noted it already
         trial = resumed if resumed is not None else study.ask({k: d.to_optuna() for k, d in plan.space.items()})
     name = experiment_name(plan.settings.study, trial.number)
     attempt = int(trial.user_attrs.get("attempts", 0)) + 1
