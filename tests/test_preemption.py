@@ -379,17 +379,7 @@ def test_sigkill_to_one_node_of_two_stops_every_rank_at_one_step_and_both_nodes_
     nodes = [subprocess.Popen(node() + list(EVERY_2), cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=open(log, "w"),
                               stderr=subprocess.STDOUT, start_new_session=True) for log in logs]
     try:
-        ranks = {}
-        deadline = time.time() + 300
-        while len(ranks) < 2 and time.time() < deadline:
-            for i, launcher in enumerate(nodes):
-                for p in psutil.Process(launcher.pid).children(recursive=True):
-                    try:
-                        if any(a.endswith("train_worker.py") for a in p.cmdline()) and "RANK" in p.environ():
-                            ranks[int(p.environ()["RANK"])] = i
-                    except psutil.Error:
-                        continue
-            time.sleep(0.2)
+        ranks = {rank: i for i, launcher in enumerate(nodes) for rank in _train_workers(launcher, 1)}
         wait_for_step_checkpoint(tmp_path / "ckpt", 2, 2, lambda: all(n.poll() is None for n in nodes))
         killed = nodes[ranks[0]]
         os.killpg(killed.pid, signal.SIGKILL)

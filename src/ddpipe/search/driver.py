@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpipe.engine.pruning import TRIAL_ENV
+from ddpipe.launch.cluster.queue import exp_ref
 from ddpipe.search.space import Plan, override_text
 from ddpipe.search.study import SearchError, close_stale, driver_mark, open_study, orphans
 
@@ -176,7 +177,7 @@ def again(plan: Plan, study: Any, root: Path, frozen: Any, say: Any) -> Running 
 
     trial = optuna.trial.Trial(study, frozen._trial_id)
     name = experiment_name(plan.settings.study, frozen.number)
-    if has_experiment(root, name) and frozen.intermediate_values:
+    if exp_ref(root, name) and frozen.intermediate_values:
         values = list(frozen.intermediate_values.values())
         value = max(values) if plan.settings.direction == "maximize" else min(values)
         study.tell(trial, value)
@@ -185,13 +186,6 @@ def again(plan: Plan, study: Any, root: Path, frozen: Any, say: Any) -> Running 
         shutil.rmtree(trial_folder(plan, frozen.number), ignore_errors=True)
         return None
     return start(plan, study, root, say, resumed=trial)
-
-
-def has_experiment(root: Path, name: str) -> bool:
-    """Whether the DVC experiment ``name`` exists (refs/exps/<..>/<baseline>/<name>)."""
-    refs = subprocess.run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], cwd=root, text=True,
-                          capture_output=True).stdout.split()
-    return any(ref.count("/") >= 4 and ref.rsplit("/", 1)[1] == name for ref in refs)
 
 
 def heartbeat(study: Any, trial_ids: list[int]) -> None:
