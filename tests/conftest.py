@@ -361,8 +361,11 @@ GIT_ENV = {"GIT_AUTHOR_NAME": "ddpipe tests", "GIT_AUTHOR_EMAIL": "tests@ddpipe.
            "GIT_COMMITTER_NAME": "ddpipe tests", "GIT_COMMITTER_EMAIL": "tests@ddpipe.invalid"}
 # In a clone: commits need an identity, and runs go to the clone's own mlflow.db.
 CLONE_ENV = {**GIT_ENV, "MLFLOW_TRACKING_URI": ""}
+# threads pinned: a clone's weights are compared bit for bit, and a thread count shared with whatever
+# else runs on the host (the default) changes the arithmetic
 CLONE_PARAMS = {"data.max_train_samples": 1024, "model.width": 8, "num_epochs": 2,
-                "train.batch_size_per_rank": 64, "train.progress_bar": False}
+                "train.batch_size_per_rank": 64, "train.progress_bar": False,
+                "distributed.threads_per_process": 2}
 
 
 def clone_repo(dest: Path, params: dict | None = None) -> Path:

@@ -330,8 +330,10 @@ def test_sigkill_to_the_torchrun_agent_alone_stops_its_workers_and_the_same_comm
 
 @pytest.mark.slow
 def test_sigkill_to_dvc_repro_leaves_a_step_checkpoint_and_the_next_repro_resumes_equal(repro_clone: Path) -> None:
-    """`dvc repro` SIGKILLed as a process group mid-epoch (DVC's lock goes with it): the workers stop after a
-    checkpoint and are gone within 5 s, dvc.lock is unchanged, and the next `dvc repro` resumes from that step (the
+    """`dvc repro` SIGKILLed as a process group mid-training (DVC's lock goes with it): the workers, which notice
+    their dead launcher within a poll (not at once, as a signal to them would be: so the kill comes early, at epoch
+    1's step 2, for the stop to land inside an epoch on a fast host too) stop after a checkpoint and are gone within
+    5 s, dvc.lock is unchanged, and the next `dvc repro` resumes from that step (the
     killed training's lock taken over, no traceback) and ends with the uninterrupted `dvc repro`'s weights."""
     model = repro_clone / "models" / "model.pt"
     reference = weights(model)
@@ -342,7 +344,7 @@ def test_sigkill_to_dvc_repro_leaves_a_step_checkpoint_and_the_next_repro_resume
         proc = subprocess.Popen(["dvc", "repro", "--force", "train"], cwd=repro_clone, stdout=out,
                                 stderr=subprocess.STDOUT, env=subprocess_env(CLONE_ENV), start_new_session=True)
         try:
-            wait_for_step_checkpoint(repro_clone / "checkpoints", 2, 2, lambda: proc.poll() is None)
+            wait_for_step_checkpoint(repro_clone / "checkpoints", 1, 2, lambda: proc.poll() is None)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             left = none_left_within(marker, 5.0)
@@ -350,8 +352,10 @@ def test_sigkill_to_dvc_repro_leaves_a_step_checkpoint_and_the_next_repro_resume
         finally:
             kill_all(marker)
     text = log.read_text()
-    (sig, epoch, step), = set(STOPPED.findall(text))
-    assert sig == "SIGTERM" and epoch == "2", text[-3000:]
+    stops = set(STOPPED.findall(text))
+    assert len(stops) == 1, f"not one stop at a step: {stops}\n{text[-3000:]}"
+    (sig, epoch, step), = stops
+    assert sig == "SIGTERM" and int(step) > 0, text[-3000:]
     assert (repro_clone / "dvc.lock").read_text() == lock
 
     again = run(["dvc", "repro"], cwd=repro_clone, env=CLONE_ENV, timeout=900)
