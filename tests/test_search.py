@@ -133,6 +133,43 @@ def test_trials_of_a_gone_driver_are_taken_over_under_their_numbers_once(tmp_pat
     assert orphans(study) == []  # taken: nothing twice
 
 
+def test_a_trials_workspace_is_the_working_tree_in_a_repository_of_its_own(tmp_path: Path) -> None:
+    """A trial runs in a clone of its own (trials started together share no DVC stash): at HEAD, with the working
+    tree's changes to tracked files and the index's new files, not its untracked ones; the user's repository is left
+    as it was. An experiment named as a trial the study does not hold is refused before any trial."""
+    from ddpipe.launch import workspace
+    from ddpipe.search.driver import check_names
+    from ddpipe.search.study import SearchError, open_study
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "params.yaml").write_text("lr: 1\n")
+    (repo / "code.py").write_text("old\n")
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "base"]):
+        run(cmd, cwd=repo, env=GIT_ENV)
+    (repo / "code.py").write_text("new\n")
+    (repo / "staged.py").write_text("staged\n")
+    run(["git", "add", "staged.py"], cwd=repo, env=GIT_ENV)
+    (repo / "untracked.txt").write_text("mine\n")
+    before = run(["git", "status", "--porcelain"], cwd=repo).stdout
+
+    head, changes = workspace.working_tree(repo)
+    ws = tmp_path / "trial-0" / "workspace"
+    workspace.make(ws, str(repo), head, changes)
+    assert (ws / "code.py").read_text() == "new\n" and (ws / "staged.py").read_text() == "staged\n"
+    assert not (ws / "untracked.txt").exists() and not ws.with_name("workspace.partial").exists()
+    assert run(["git", "rev-parse", "HEAD"], cwd=ws).stdout.strip() == head
+    assert run(["git", "status", "--porcelain"], cwd=repo).stdout == before  # the user's tree untouched
+    assert run(["git", "stash", "list"], cwd=repo).stdout == ""
+
+    plan = _plan(tmp_path, LR, "search.study=s", "search.first=[]")
+    study = open_study(plan)
+    check_names(plan, study, repo)  # nothing named s-<n>: fine
+    run(["git", "update-ref", f"refs/exps/{head[:2]}/{head[2:]}/s-3", head], cwd=repo)
+    with pytest.raises(SearchError, match=r"search.study = 's': DVC experiment\(s\) s-3 exist.*dvc exp remove s-3"):
+        check_names(plan, study, repo)
+
+
 @pytest.mark.parametrize("nodes", [1, 2], ids=["2 processes on 1 node", "2 nodes of 1 process"])
 def test_a_two_process_trial_is_pruned_on_every_rank_after_the_same_epoch(tmp_path: Path, prepared: Path,
                                                                           nodes: int) -> None:
@@ -202,6 +239,9 @@ def test_a_study_of_dvc_experiments_prunes_continues_and_names_its_best(repro_cl
     children = client.search_runs([exp.experiment_id],
                                   filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert sorted(c.info.run_name for c in children) == [f"lr-{n}" for n in range(5)]
+    for c in children:  # each trial ran its own params (trials started together run in workspaces of their own)
+        trial = study.trials[int(c.info.run_name.split("-")[1])]
+        assert float(c.data.params["train.base_lr"]) == pytest.approx(trial.params["train.base_lr"]), c.info.run_name
     assert {c.info.status for c in children if c.info.run_name == "lr-2"} == {"KILLED"}
     assert "optimization_history.png" in {a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(
         parent.info.run_id, "search")}

@@ -24,7 +24,7 @@ from ddpipe.distributed import group as dd
 from ddpipe.engine.meters import EpochStats
 
 TRIAL_ENV = "DDPIPE_SEARCH_TRIAL"  # JSON: storage, study, trial (number), trial_id, metric, pruner, startup_trials,
-# checkpoints (the trial's own directory, outside the experiment's temporary workspace) and attempt (the driver's count)
+# checkpoints (the trial's own directory, beside the experiment's workspace) and attempt (the driver's count)
 # The metrics a trial may be judged by: the epoch's own, as EpochStats logs them (the ema_ ones need train.ema_decay)
 EPOCH_METRICS = tuple(f.name for f in dataclasses.fields(EpochStats) if f.name != "epoch")
 
@@ -37,7 +37,7 @@ def trial_spec() -> dict[str, Any] | None:
 
 def trial_config(cfg: Any) -> Any:
     """``cfg`` with ``paths.checkpoints`` at the trial's own directory (search/<study>/trial-<n>/checkpoints), which
-    outlives the experiment's temporary workspace: a trial stopped by a signal or with its driver resumes there from
+    outlives each attempt's workspace: a trial stopped by a signal or with its driver resumes there from
     its step under the same number. Outside a search, ``cfg`` as it is."""
     spec = trial_spec()
     if not spec or not spec.get("checkpoints"):

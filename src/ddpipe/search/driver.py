@@ -1,25 +1,31 @@
 """``python -m ddpipe.search run``: ask the study for trials and run each as a DVC experiment, ``search.jobs`` at once,
 until the study holds ``search.trials`` finished ones (completed or pruned); the same command again continues it.
 
-Each trial is ``dvc exp run --temp -n <study>-<number> -S key=value ... -S mlflow.sweep=<study>``: a DVC experiment
-of its own, run in a temporary workspace beside the others (``--temp``: DVC runs several at once, as its queue's
-workers do), its MLflow run a child of the study's parent run. The trial's training learns its trial from
+Each trial is ``dvc exp run -n <study>-<number> -S key=value ... -S mlflow.sweep=<study>``: a DVC experiment of its
+own, run in a workspace of its own (:mod:`ddpipe.launch.workspace`: a clone of the repository at HEAD with the
+working tree's changes, DVC's cache shared), beside the others; on success its experiment ref is sent back to the
+repository. (``dvc exp run --temp`` runs share one DVC stash, and one takes whichever entry is first in it: started
+together, a trial could run another's params under its own trial.) Its MLflow run is a child of the study's parent
+run. The trial's training learns its trial from
 :data:`~ddpipe.engine.pruning.TRIAL_ENV` in its environment, reports each epoch and may be pruned: its stage then
 fails, so a pruned trial leaves no DVC experiment (its MLflow run, KILLED and tagged, and the study keep it). All of
 Optuna's calls are made from this one thread; the experiments run as child processes, polled.
 
 A trial stopped by a signal (SIGTERM, SIGUSR1: its training checkpoints the step and says so to the study) runs again
-under its number, from that step: its checkpoints live in ``search/<study>/trial-<n>/checkpoints``, outside the
-temporary workspace. A driver that is stopped (SIGTERM, Ctrl-C) stops its trials so, and one that is killed leaves them
-to stop so (their workers follow their launcher); either way their trials stay RUNNING, and the next ``run`` on this
-host resumes each under its number (or records it, when its experiment was finished), before it asks for new ones.
+under its number, from that step: its checkpoints live in ``search/<study>/trial-<n>/checkpoints``, beside its
+workspace (made again for each attempt, from the same commits). A driver that is stopped (SIGTERM, Ctrl-C) stops its
+trials so, and one that is killed leaves them to stop so (their workers follow their launcher); either way their
+trials stay RUNNING, and the next ``run`` on this host resumes each under its number (or records it, when its
+experiment was finished), before it asks for new ones.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -30,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from ddpipe.engine.pruning import TRIAL_ENV
-from ddpipe.launch.cluster.queue import exp_ref
+from ddpipe.launch import workspace
+from ddpipe.launch.cluster.queue import exp_ref, git
 from ddpipe.search.space import Plan, override_text
 from ddpipe.search.study import SearchError, close_stale, driver_mark, open_study, orphans
 
@@ -65,13 +72,17 @@ def experiment_name(study: str, number: int) -> str:
 
 
 def trial_folder(plan: Plan, number: int) -> Path:
-    """Where a trial keeps what outlives its experiment's temporary workspace: its checkpoints."""
+    """A trial's own directory: its workspace, and its checkpoints beside it (they outlive an attempt's workspace)."""
     return plan.folder.resolve() / f"trial-{number}"
 
 
+def trial_workspace(plan: Plan, number: int) -> Path:
+    return trial_folder(plan, number) / "workspace"
+
+
 def command(plan: Plan, trial: Any) -> list[str]:
-    """The trial's ``dvc exp run``: its params set, in a temporary workspace, named after study and trial."""
-    cmd = ["dvc", "exp", "run", "--temp", "-n", experiment_name(plan.settings.study, trial.number)]
+    """The trial's ``dvc exp run`` (in its workspace): its params set, named after study and trial."""
+    cmd = ["dvc", "exp", "run", "-n", experiment_name(plan.settings.study, trial.number)]
     for key, value in trial.params.items():
         cmd += ["-S", f"{key}={override_text(value)}"]
     return cmd + ["-S", f"mlflow.sweep={plan.settings.study}"]
@@ -95,6 +106,7 @@ def run(plan: Plan, root: Path, say: Any = print) -> Any:
     """Run the search of ``plan`` in the repository at ``root`` until the study holds ``search.trials`` finished
     trials; returns the study. SIGTERM or SIGUSR1 stops it (:class:`Stopped`) as Ctrl-C does, trials resumable."""
     study = open_study(plan)
+    check_names(plan, study, root)
     plan.folder.mkdir(parents=True, exist_ok=True)
     resume = orphans(study)  # before close_stale, which would fail a database trial whose heartbeat went quiet
     if resume:
@@ -120,7 +132,7 @@ def run(plan: Plan, root: Path, say: Any = print) -> Any:
             heartbeat(study, [r.trial._trial_id for r in running] + [t._trial_id for t in resume])
             for done in [r for r in running if r.process.poll() is not None]:
                 running.remove(done)
-                state = record(plan, study, done, say)
+                state = record(plan, study, root, done, say)
                 if state == "STOPPED":
                     resume.append(study.trials[done.trial.number])
                 failed_in_a_row = failed_in_a_row + 1 if state == "FAIL" else 0
@@ -139,6 +151,57 @@ def run(plan: Plan, root: Path, say: Any = print) -> Any:
         raise SearchError(f"search {plan.settings.study}: {failed_in_a_row} trials failed in a row; see their logs in "
                            f"{plan.folder} (python -m ddpipe.search status)")
     return study
+
+
+def check_names(plan: Plan, study: Any, root: Path) -> None:
+    """Before any trial: no DVC experiment of ``root`` is named as a trial of this study would be (``<study>-<n>``)
+    unless it is that trial's (an earlier study of the same name, removed, left its experiments)."""
+    pattern = re.compile(rf"{re.escape(plan.settings.study)}-(\d+)")
+    numbers = {t.number for t in study.get_trials(deepcopy=False)}
+    refs = git(root, "for-each-ref", "--format=%(refname)", "refs/exps", check=False).split()
+    taken = sorted({name for r in refs if (m := pattern.fullmatch(name := r.rsplit("/", 1)[-1]))
+                    and int(m.group(1)) not in numbers}, key=lambda n: int(n.rsplit("-", 1)[1]))
+    if taken:
+        raise SearchError(f"search.study = {plan.settings.study!r}: DVC experiment(s) {', '.join(taken[:5])}"
+                          f"{' ...' if len(taken) > 5 else ''} exist, and the study in {plan.storage} has no such "
+                          "trial (an earlier study of this name, removed?); remove them (dvc exp remove "
+                          f"{' '.join(taken[:5])}) or name this study otherwise (search.study=...)")
+
+
+@functools.cache
+def _cache_dir(root: Path) -> str:
+    return workspace.cache_dir(root)
+
+
+def prepare_workspace(plan: Plan, trial: Any, root: Path, say: Any) -> Path:
+    """The trial's workspace, made afresh for this attempt: a clone of ``root`` at the commits its first attempt
+    recorded (HEAD, and the working tree's changes then), its outputs checked out of the shared DVC cache."""
+    commits = trial.user_attrs.get("workspace")
+    if not commits or not all(workspace.has_commit(root, c) for c in commits if c):
+        if commits:
+            say(f"trial {trial.number}: the commits of its first attempt ({', '.join(c[:8] for c in commits if c)}) "
+                "are gone from the repository: this attempt runs the working tree as it is now")
+        commits = list(workspace.working_tree(root))
+        trial.set_user_attr("workspace", commits)
+    ws = trial_workspace(plan, trial.number)
+    shutil.rmtree(ws, ignore_errors=True)  # an earlier attempt's (its DVC stash may hold an entry a kill left)
+    try:
+        workspace.make(ws, str(root), commits[0], commits[1], cache=_cache_dir(root))
+        workspace.quiet_shell(["dvc", "checkout", "--quiet"], cwd=ws, check=False)  # what the cache has
+    except (RuntimeError, OSError) as exc:
+        raise SearchError(f"trial {trial.number}: its workspace {ws} could not be made: {exc}") from exc
+    return ws
+
+
+def send_back(plan: Plan, root: Path, number: int) -> str:
+    """The trial's DVC experiment, from its workspace into ``root``; "" when it is there, else why not."""
+    name = experiment_name(plan.settings.study, number)
+    ws = trial_workspace(plan, number)
+    if exp_ref(root, name):
+        return ""
+    if not (ref := exp_ref(ws, name) if (ws / ".git").is_dir() else ""):
+        return f"its DVC experiment {name} is not in its workspace {ws}"
+    return "" if workspace.send_back(ws, str(root), ref) else f"git push of {ref} from {ws} to {root} failed"
 
 
 def _stop(signum: int, frame: Any) -> None:
@@ -162,11 +225,15 @@ def start(plan: Plan, study: Any, root: Path, say: Any, resumed: Any = None) -> 
             "startup_trials": plan.settings.startup_trials, "attempt": attempt,
             "checkpoints": str(trial_folder(plan, trial.number) / "checkpoints")}
     log = plan.folder / f"trial-{trial.number}.log"
+    ws = prepare_workspace(plan, trial, root, say)
     cmd = command(plan, trial)
     say(f"trial {trial.number}{f' (attempt {attempt})' if attempt > 1 else ''}: {' '.join(cmd)}  (log: {log})")
+    env = {**os.environ, TRIAL_ENV: json.dumps(spec),
+           "DDPIPE_REPO_ROOT": str(root),  # the MLflow store and outbox of the repository, not of the workspace
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ws / "src"), os.environ.get("PYTHONPATH")) if p)}
     with open(log, "a" if attempt > 1 else "w") as out:
-        process = subprocess.Popen(cmd, cwd=root, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env={**os.environ, TRIAL_ENV: json.dumps(spec)})
+        process = subprocess.Popen(cmd, cwd=ws, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env=env)
     return Running(trial, process, log, attempt)
 
 
@@ -177,7 +244,7 @@ def again(plan: Plan, study: Any, root: Path, frozen: Any, say: Any) -> Running 
 
     trial = optuna.trial.Trial(study, frozen._trial_id)
     name = experiment_name(plan.settings.study, frozen.number)
-    if exp_ref(root, name) and frozen.intermediate_values:
+    if frozen.intermediate_values and not send_back(plan, root, frozen.number):
         values = list(frozen.intermediate_values.values())
         value = max(values) if plan.settings.direction == "maximize" else min(values)
         study.tell(trial, value)
@@ -210,7 +277,7 @@ def stop(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def record(plan: Plan, study: Any, done: Running, say: Any) -> str:
+def record(plan: Plan, study: Any, root: Path, done: Running, say: Any) -> str:
     """Tell the study how ``done`` ended: COMPLETE with its best epoch's metric, PRUNED (the training said at which
     epoch), or FAIL; or nothing when its training was stopped by a signal (STOPPED: it runs again under its number).
     Returns the state's name."""
@@ -223,7 +290,8 @@ def record(plan: Plan, study: Any, done: Running, say: Any) -> str:
     if code and stopped.get("attempt") == done.attempt and "pruned_epoch" not in frozen.user_attrs:
         say(f"trial {number}: training {stopped.get('at', 'stopped')}; it runs again under the same number from there")
         return "STOPPED"
-    if code == 0 and values:
+    lost = send_back(plan, root, number) if code == 0 and values else ""
+    if code == 0 and values and not lost:
         value = max(values) if plan.settings.direction == "maximize" else min(values)
         study.tell(done.trial, value)
         say(f"trial {number}: completed, {plan.settings.metric} {value:.4f}, DVC experiment {done.experiment}")
@@ -234,7 +302,7 @@ def record(plan: Plan, study: Any, done: Running, say: Any) -> str:
         state = "PRUNED"
     else:
         tail = done.log.read_text(errors="replace").strip().splitlines()[-1:] if done.log.exists() else []
-        why = f"dvc exp run exited {code}: {tail[0][:300] if tail else ''}" if code else \
+        why = f"dvc exp run exited {code}: {tail[0][:300] if tail else ''}" if code else lost or \
             f"the training reported no {plan.settings.metric} (is {TRIAL_ENV} reaching it?)"
         done.trial.set_user_attr("failure", why)
         study.tell(done.trial, state=TrialState.FAIL)

@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from ddpipe.config.load import user_errors
+from ddpipe.launch import workspace
 from ddpipe.launch.cluster import ClusterError, kubernetes, records, slurm
 from ddpipe.launch.cluster.queue import Queued, exp_ref, git, pin_and_dequeue, queued
 from ddpipe.tracking.store import is_server, redact, tracking_uri
@@ -115,10 +116,8 @@ def submit(repo: Path, overrides: list[str], dry_run: Path | None) -> list[recor
     out = dry_run or root / "submissions" / submission
     out.mkdir(parents=True, exist_ok=True)
     (root / "logs").mkdir(parents=True, exist_ok=True)
-    cache = subprocess.run(["dvc", "cache", "dir"], cwd=repo, capture_output=True, text=True).stdout.strip() \
-        or str(repo / ".dvc" / "cache")
     base = {"repo": str(repo), "submission": submission, "state": str(root), "python": sys.executable,
-            "cache": cache}
+            "cache": workspace.cache_dir(repo)}
     # alike experiments (the same scheduler and resources) share one array job
     groups: dict[tuple, list[Queued]] = {}
     for e in exps:
