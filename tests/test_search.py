@@ -325,3 +325,83 @@ def test_a_stopped_trial_and_a_killed_driver_resume_bit_equal_under_their_number
     run([sys.executable, "-m", "ddpipe.search", "run", "search.study=u"], cwd=clone, env=CLONE_ENV, timeout=600)
     for n in (0, 1):
         assert same_weights(_model_weights(clone, f"r-{n}"), _model_weights(clone, f"u-{n}")), f"trial {n}"
+
+
+def _study_with_experiments(repo: Path) -> None:
+    """A study ``t`` of six trials in ``repo``'s journal and the DVC experiments its trials left, each saved for real
+    with ``dvc exp save`` after an edit of params.yaml: trials 0, 1 (the best), 4 completed; 2 pruned (none); 3 failed
+    after its experiment was saved; 5 running (its driver records it from its experiment); ``t-9``, no trial of the
+    study; ``u-1``, another study's."""
+    import optuna
+    from optuna.trial import TrialState, create_trial
+
+    from ddpipe.engine.pruning import open_storage
+
+    params = yaml.safe_load(PARAMS.read_text())
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    for cmd in (["git", "init", "-q"], ["dvc", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "base"]):
+        run(cmd, cwd=repo, env=GIT_ENV)
+    (repo / "search" / "t").mkdir(parents=True)
+    study = optuna.create_study(study_name="t", direction="maximize",
+                                storage=open_storage(str(repo / "search" / "t" / "study.journal")))
+    dist = {"train.base_lr": optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True)}
+    for number, state, value in ((0, TrialState.COMPLETE, 0.5), (1, TrialState.COMPLETE, 0.9),
+                                 (2, TrialState.PRUNED, None), (3, TrialState.FAIL, None),
+                                 (4, TrialState.COMPLETE, 0.7)):
+        study.add_trial(create_trial(state=state, value=value, params={"train.base_lr": 0.001 * (number + 1)},
+                                     distributions=dist, user_attrs={"experiment": f"t-{number}"}))
+    study.ask(dist).set_user_attr("experiment", "t-5")
+    for name in ("t-0", "t-1", "t-3", "t-4", "t-5", "t-9", "u-1"):
+        params["train"]["base_lr"] = float(len(name) + int(name[-1])) / 1000
+        (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        run(["dvc", "exp", "save", "-q", "-n", name], cwd=repo, env=GIT_ENV)
+
+
+def test_remove_keeps_the_best_trials_experiments_and_leaves_the_study_whole(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``remove --keep 1`` leaves the best trial's experiment, a running trial's and those that are no trial of the
+    study; a bad --keep removes nothing (exit 2, naming it); --dry-run lists without removing; the study keeps every
+    trial, ``status`` says which experiments went, and ``best`` names the kept one, or none after --keep 0."""
+    from ddpipe.search.cli import main
+    from tests.conftest import VENV_BIN
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _study_with_experiments(repo)
+    monkeypatch.chdir(repo)
+    monkeypatch.setenv("DDPIPE_REPO_ROOT", str(repo))
+    monkeypatch.setenv("PATH", f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    everything = sorted(_experiments(repo))
+    assert everything == ["t-0", "t-1", "t-3", "t-4", "t-5", "t-9", "u-1"]
+    study = ["search.study=t", LR]
+
+    for bad, shown in ((["--keep", "-1"], "--keep = '-1' is not"), (["--keep=x"], "--keep = 'x' is not"),
+                       (["--keep"], "--keep without a value is not")):
+        with pytest.raises(SystemExit) as exits:
+            main(["remove", *study, *bad])
+        assert exits.value.code == 2
+        assert f"error: {shown} accepted; expected an integer >= 0" in capsys.readouterr().err
+    assert sorted(_experiments(repo)) == everything
+
+    assert main(["remove", "--keep", "1", "--dry-run", *study]) == 0
+    out = capsys.readouterr().out
+    assert "would remove 3 DVC experiment(s) (dry run: nothing removed): t-0, t-3, t-4" in out, out
+    assert "left alone: t-5 (trial 5 is RUNNING)" in out and "left alone: t-9 (no trial 9 in study t)" in out
+    assert sorted(_experiments(repo)) == everything
+
+    assert main(["remove", "--keep", "1", *study]) == 0
+    assert "removed 3 DVC experiment(s) in 1 call(s) of dvc exp remove: t-0, t-3, t-4" in capsys.readouterr().out
+    assert sorted(_experiments(repo)) == ["t-1", "t-5", "t-9", "u-1"]
+    assert main(["best", "--json", *study]) == 0
+    assert json.loads(capsys.readouterr().out)["experiment"] == "t-1"
+    assert main(["status", *study]) == 0
+    table = capsys.readouterr().out
+    assert table.count("| removed |") == 3 and "| t-1 |" in table and "| 2 | PRUNED |" in table
+    assert "3 COMPLETE, 1 FAIL, 1 PRUNED, 1 RUNNING" in table  # the study keeps every trial
+
+    assert main(["remove", "--keep=0", *study]) == 0
+    assert "removed 1 DVC experiment(s) in 1 call(s) of dvc exp remove: t-1" in capsys.readouterr().out
+    assert sorted(_experiments(repo)) == ["t-5", "t-9", "u-1"]
+    assert main(["best", "--json", *study]) == 0
+    assert json.loads(capsys.readouterr().out) == {"number": 1, "params": {"train.base_lr": 0.002}, "value": 0.9,
+                                                   "experiment": None}

@@ -3,6 +3,7 @@
     python -m ddpipe.search run [search.trials=40 ...]    # trials until the study holds search.trials finished ones
     python -m ddpipe.search status [search.study=NAME]    # every trial: state, params, value, epochs, experiment, run
     python -m ddpipe.search best [--json]                 # the best trial and its DVC experiment (dvc exp apply NAME)
+    python -m ddpipe.search remove [--keep 10] [--dry-run] # the trials' DVC experiments but the best 10 completed ones
 
 ``key=value`` after the subcommand overrides params.yaml for this command (``search.*`` keys: the search's own).
 A mistake in the ``search`` section fails before any trial starts, the study unchanged (exit 2).
@@ -17,17 +18,22 @@ from pathlib import Path
 from ddpipe.config.command import load_or_exit
 from ddpipe.config.load import DEFAULT_PARAMS_FILE, user_errors
 from ddpipe.config.schema import Config
+from ddpipe.search.experiments import options, remove
 from ddpipe.search.space import Plan, make_plan
 from ddpipe.search.study import SearchError, load_study
 from ddpipe.tracking.store import repo_root
 
-USAGE = "usage: python -m ddpipe.search run|status|best [--json] [key=value ...]"
+USAGE = "usage: python -m ddpipe.search run|status|best|remove [--json] [--keep N] [--dry-run] [key=value ...]"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    removal = None
+    if "remove" in argv:
+        with user_errors():  # a bad --keep: exit 2 before the study is opened
+            removal, argv = options(argv)
     words = [a for a in argv if "=" not in a and not a.startswith("-")]
-    if len(words) != 1 or words[0] not in ("run", "status", "best") or "-h" in argv or "--help" in argv:
+    if len(words) != 1 or words[0] not in ("run", "status", "best", "remove") or "-h" in argv or "--help" in argv:
         print(__doc__ if "-h" in argv or "--help" in argv else USAGE, file=sys.stderr)
         return 0 if "-h" in argv or "--help" in argv else 2
     root = repo_root()
@@ -38,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         if words[0] == "run":
             return _run(cfg, plan, root)
         study = load_study(plan)
-        if words[0] == "status":
+        if removal is not None:
+            print(remove(study, root, removal), end="")
+        elif words[0] == "status":
             from ddpipe.search.report import status
 
             print(status(study), end="")
@@ -46,9 +54,10 @@ def main(argv: list[str] | None = None) -> int:
             from ddpipe.search.report import best
 
             top = best(study)
+            where = f"DVC experiment {top['experiment']} (dvc exp apply {top['experiment']})" if top["experiment"] \
+                else "no DVC experiment (python -m ddpipe.search remove removed it)"
             print(json.dumps(top) if "--json" in argv else
-                  f"best: trial {top['number']}, {plan.settings.metric} {top['value']:.4f}, {top['params']}; "
-                  f"DVC experiment {top['experiment']} (dvc exp apply {top['experiment']})")
+                  f"best: trial {top['number']}, {plan.settings.metric} {top['value']:.4f}, {top['params']}; {where}")
     return 0
 
 

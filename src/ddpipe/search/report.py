@@ -9,6 +9,7 @@ from typing import Any
 
 from ddpipe.config.schema import Config
 from ddpipe.core.errors import one_line
+from ddpipe.search.experiments import REMOVED
 from ddpipe.search.study import SearchError
 from ddpipe.tracking.store import bound_http_requests, experiment_id, open_client, sweep_parent, tracking_uri
 from ddpipe.tracking.sweeps import markdown
@@ -22,13 +23,15 @@ def _shown(value: Any) -> str:
 
 def rows(study: Any) -> list[list[str]]:
     """``status``'s table: number, state (a pruned trial's with its epoch), params, value, epochs run (and attempts,
-    when it was stopped and resumed), the DVC experiment (completed trials only: a pruned or failed one leaves none),
-    the MLflow run."""
+    when it was stopped and resumed), the DVC experiment (completed trials only: a pruned or failed one leaves none;
+    ``removed`` once ``remove`` removed it), the MLflow run."""
     table = [["trial", "state", "params", "value", "epochs", "DVC experiment", "MLflow run"]]
+    removed = set(study.user_attrs.get(REMOVED, ()))
     for t in study.get_trials(deepcopy=False):
         state = t.state.name + (f" at epoch {t.user_attrs['pruned_epoch']}" if "pruned_epoch" in t.user_attrs else "")
         params = " ".join(f"{k}={_shown(v)}" for k, v in t.params.items())
-        experiment = t.user_attrs.get("experiment", "") if t.state.name == "COMPLETE" else ""
+        experiment = "removed" if t.number in removed else \
+            t.user_attrs.get("experiment", "") if t.state.name == "COMPLETE" else ""
         value = "" if t.value is None else f"{t.value:.4f}"
         attempts = int(t.user_attrs.get("attempts", 1))
         epochs = str(t.user_attrs.get("epochs", "")) + (f" ({attempts} attempts)" if attempts > 1 else "")
@@ -45,13 +48,15 @@ def status(study: Any) -> str:
 
 
 def best(study: Any) -> dict[str, Any]:
-    """The best completed trial: its number, params, value and DVC experiment."""
+    """The best completed trial: its number, params, value and DVC experiment (None once ``remove`` removed it)."""
     from optuna.trial import TrialState
 
     if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         raise SearchError(f"search {study.study_name}: no completed trial yet (python -m ddpipe.search status)")
     t = study.best_trial
-    return {"number": t.number, "params": t.params, "value": t.value, "experiment": t.user_attrs.get("experiment")}
+    gone = t.number in study.user_attrs.get(REMOVED, ())
+    return {"number": t.number, "params": t.params, "value": t.value,
+            "experiment": None if gone else t.user_attrs.get("experiment")}
 
 
 def plots(study: Any, folder: Path) -> tuple[list[Path], list[str]]:
@@ -96,6 +101,6 @@ def log_to_parent(cfg: Config, study: Any, files: list[Path]) -> str:
         top = best(study)
     except SearchError:
         return run_id
-    client.set_tag(run_id, "ddpipe.search.best_trial", f"{top['number']} ({top['experiment']})")
+    client.set_tag(run_id, "ddpipe.search.best_trial", f"{top['number']} ({top['experiment'] or 'experiment removed'})")
     client.log_metric(run_id, f"best_{cfg.search.metric}", float(top["value"]), step=len(study.trials))
     return run_id
