@@ -92,6 +92,20 @@ def test_bad_input_is_refused_naming_key_value_and_what_is_accepted(tmp_path: Pa
     assert message in str(err.value)
 
 
+def test_a_key_outside_the_search_section_is_refused_on_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run num_epochs=20` would reach the driver, not the trials (their params are params.yaml's): exit 2 naming
+    it, nothing written."""
+    from ddpipe.search.cli import main
+
+    monkeypatch.setenv("DDPIPE_REPO_ROOT", str(tmp_path))
+    with pytest.raises(SystemExit) as exits:
+        main(["run", LR, "num_epochs=20"])
+    assert exits.value.code == 2
+    assert "error: num_epochs=20: only search.* keys are accepted" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_storage_that_does_not_answer_fails_before_any_trial(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The command exits 2 naming search.storage; nothing was written (no study, no folder)."""

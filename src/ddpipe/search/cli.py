@@ -5,8 +5,10 @@
     python -m ddpipe.search best [--json]                 # the best trial and its DVC experiment (dvc exp apply NAME)
     python -m ddpipe.search remove [--keep 10] [--dry-run] # the trials' DVC experiments but the best 10 completed ones
 
-``key=value`` after the subcommand overrides params.yaml for this command (``search.*`` keys: the search's own).
-A mistake in the ``search`` section fails before any trial starts, the study unchanged (exit 2).
+``search.key=value`` after the subcommand overrides the ``search`` section for this command. Other keys are refused
+(exit 2): a trial's params are params.yaml's (the working tree's, committed or not) with its space's values, and a
+key set on this command line would reach the driver, not the trials. A mistake in the ``search`` section fails
+before any trial starts, the study unchanged (exit 2).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from ddpipe.config.command import load_or_exit
 from ddpipe.config.load import DEFAULT_PARAMS_FILE, user_errors
-from ddpipe.config.schema import Config
+from ddpipe.config.schema import Config, ConfigError
 from ddpipe.search.experiments import options, remove
 from ddpipe.search.space import Plan, make_plan
 from ddpipe.search.study import SearchError, load_study
@@ -36,9 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     if len(words) != 1 or words[0] not in ("run", "status", "best", "remove") or "-h" in argv or "--help" in argv:
         print(__doc__ if "-h" in argv or "--help" in argv else USAGE, file=sys.stderr)
         return 0 if "-h" in argv or "--help" in argv else 2
+    overrides = [a for a in argv if "=" in a]
+    with user_errors():
+        check_overrides(overrides)
     root = repo_root()
     params = root / DEFAULT_PARAMS_FILE
-    cfg = load_or_exit([a for a in argv if "=" in a], "-m ddpipe.search")
+    cfg = load_or_exit(overrides, "-m ddpipe.search")
     with user_errors(SearchError, code=1):
         plan = make_plan(cfg, root, params if params.is_file() else None)
         if words[0] == "run":
@@ -59,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(top) if "--json" in argv else
                   f"best: trial {top['number']}, {plan.settings.metric} {top['value']:.4f}, {top['params']}; {where}")
     return 0
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Only ``search.*`` keys on the command line: ConfigError naming any other."""
+    if other := [o for o in overrides if not o.startswith("search.")]:
+        raise ConfigError(f"{' '.join(other)}: only search.* keys are accepted by python -m ddpipe.search; a "
+                          "trial's params are params.yaml's with its space's values: set the others in params.yaml")
 
 
 def _run(cfg: Config, plan: Plan, root: Path) -> int:
