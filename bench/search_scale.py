@@ -22,7 +22,6 @@ import io
 import json
 import os
 import re
-import shutil
 import socket
 import statistics
 import subprocess
@@ -31,15 +30,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-from common import REPO, BenchError, append_jsonl, clean_env, markdown_table, print_machine
-from omegaconf import OmegaConf
+from common import REPO, append_jsonl, clone_checkout, clone_env, markdown_table, print_machine, run_in_clone
 
 STUDY = "scale"
 CHEAP = {"data.max_train_samples": 256, "num_epochs": 1, "model.width": 4, "train.batch_size_per_rank": 64,
          "model.eval_flips": False, "mlflow.log_model": False, "train.progress_bar": False, "search.study": STUDY,
          "search.jobs": 2, "search.pruner": "none", "search.space": {"train.base_lr": "loguniform(1e-4, 1e-1)"}}
-GIT = {"GIT_AUTHOR_NAME": "bench", "GIT_AUTHOR_EMAIL": "bench@ddpipe.invalid", "GIT_COMMITTER_NAME": "bench",
-       "GIT_COMMITTER_EMAIL": "bench@ddpipe.invalid"}
 # `dvc exp show` as users type it, and what DVC offers to make it quicker (`dvc exp show --help`); --num 1 and
 # --rev HEAD are its defaults, written out; -f collects every experiment again instead of reading DVC's exp cache.
 FORMS = {"default": [], "--num 1 --rev HEAD": ["--num", "1", "--rev", "HEAD"], "--only-changed": ["--only-changed"],
@@ -48,36 +44,12 @@ FORMS = {"default": [], "--num 1 --rev HEAD": ["--num", "1", "--rev", "HEAD"], "
          "-f (no exp cache)": ["-f"]}
 
 
-def env(clone: Path) -> dict[str, str]:
-    """The clone's own code (its src/, not the editable install's), its own mlflow.db, a git identity."""
-    return clean_env(**GIT, MLFLOW_TRACKING_URI="", PYTHONPATH=str(clone / "src"))
-
-
 def sh(cmd: list[str], clone: Path) -> tuple[str, float]:
-    """Run ``cmd`` in the clone: (its stdout, its wall seconds); :class:`BenchError` when it fails."""
-    t0 = time.perf_counter()
-    out = subprocess.run(cmd, cwd=clone, env=env(clone), capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    seconds = time.perf_counter() - t0
-    if out.returncode != 0:
-        raise BenchError(f"{' '.join(cmd)} exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return out.stdout, seconds
+    return run_in_clone(cmd, clone)
 
 
 def make_clone(dest: Path) -> None:
-    """This checkout's files as a fresh git repo with CHEAP in its params.yaml, reproduced once and committed."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True,
-                           check=True).stdout.split()
-    for f in files:
-        if (REPO / f).is_file():
-            (dest / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / f, dest / f)
-    params = OmegaConf.load(dest / "params.yaml")
-    for key, value in CHEAP.items():
-        OmegaConf.update(params, key, value, merge=False)
-    OmegaConf.save(params, dest / "params.yaml")
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "bench: a cheap trial"],
-                ["dvc", "repro"], ["git", "add", "-A"], ["git", "commit", "-qm", "reproduced"]):
-        sh(cmd, dest)
+    clone_checkout(dest, CHEAP, "bench: a cheap trial")
 
 
 def experiments(clone: Path) -> int:
@@ -109,7 +81,7 @@ def runs_search(clone: Path, reps: int) -> tuple[int, list[float]]:
         port = s.getsockname()[1]
     server = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1",
                                "--port", str(port), "--backend-store-uri", f"sqlite:///{clone / 'mlflow.db'}"],
-                              cwd=clone, env=env(clone), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              cwd=clone, env=clone_env(clone), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
