@@ -1,6 +1,7 @@
 """``python -m ddpipe.search``: run a search, list its trials, name its best.
 
     python -m ddpipe.search run [search.trials=40 ...]    # trials until the study holds search.trials finished ones
+    python -m ddpipe.search run --cluster                 # each trial a SLURM job (the cluster section), jobs at once
     python -m ddpipe.search status [search.study=NAME]    # every trial: state, params, value, epochs, experiment, run
     python -m ddpipe.search best [--json]                 # the best trial and its DVC experiment (dvc exp apply NAME)
     python -m ddpipe.search remove [--keep 10] [--dry-run] # the trials' DVC experiments but the best 10 completed ones
@@ -25,7 +26,8 @@ from ddpipe.search.space import Plan, make_plan
 from ddpipe.search.study import SearchError, load_study
 from ddpipe.tracking.store import repo_root
 
-USAGE = "usage: python -m ddpipe.search run|status|best|remove [--json] [--keep N] [--dry-run] [key=value ...]"
+USAGE = ("usage: python -m ddpipe.search run [--cluster]|status|best|remove [--json] [--keep N] [--dry-run] "
+         "[key=value ...]")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     with user_errors(SearchError, code=1):
         plan = make_plan(cfg, root, params if params.is_file() else None)
         if words[0] == "run":
-            return _run(cfg, plan, root)
+            return _run(cfg, plan, root, "--cluster" in argv)
         study = load_study(plan)
         if removal is not None:
             print(remove(study, root, removal), end="")
@@ -73,12 +75,14 @@ def check_overrides(overrides: list[str]) -> None:
                           "trial's params are params.yaml's with its space's values: set the others in params.yaml")
 
 
-def _run(cfg: Config, plan: Plan, root: Path) -> int:
+def _run(cfg: Config, plan: Plan, root: Path, on_cluster: bool) -> int:
+    from ddpipe.launch.cluster import ClusterError
     from ddpipe.search import driver, report
 
     for note in plan.notes:
         print(f"note: {note}", file=sys.stderr)
-    study = driver.run(plan, root)
+    with user_errors(ClusterError):  # no scheduler here, a refused submission: said in a line
+        study = driver.run(plan, root, cluster=cfg.cluster if on_cluster else None)
     written, skipped = report.plots(study, plan.folder)
     for reason in skipped:
         print(f"note: plot {reason}", file=sys.stderr)

@@ -35,9 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddpipe.config.schema import ClusterConfig
 from ddpipe.engine.pruning import TRIAL_ENV
 from ddpipe.launch import workspace
 from ddpipe.launch.cluster.queue import exp_ref, git
+from ddpipe.search import cluster as on_cluster
 from ddpipe.search.space import Plan, override_text
 from ddpipe.search.study import SearchError, close_stale, driver_mark, open_study, orphans
 
@@ -58,7 +60,7 @@ class Running:
     """A trial and the ``dvc exp run`` running its ``attempt`` (1, then one more each time it is resumed)."""
 
     trial: Any
-    process: subprocess.Popen
+    process: subprocess.Popen | on_cluster.ClusterTrial
     log: Path
     attempt: int
 
@@ -80,12 +82,15 @@ def trial_workspace(plan: Plan, number: int) -> Path:
     return trial_folder(plan, number) / "workspace"
 
 
+def settings(plan: Plan, trial: Any) -> list[str]:
+    """The trial's params as ``dvc exp run`` sets them, and its MLflow parent: ``-S key=value ...``."""
+    sets = [f"{key}={override_text(value)}" for key, value in trial.params.items()]
+    return [w for s in [*sets, f"mlflow.sweep={plan.settings.study}"] for w in ("-S", s)]
+
+
 def command(plan: Plan, trial: Any) -> list[str]:
     """The trial's ``dvc exp run`` (in its workspace): its params set, named after study and trial."""
-    cmd = ["dvc", "exp", "run", "-n", experiment_name(plan.settings.study, trial.number)]
-    for key, value in trial.params.items():
-        cmd += ["-S", f"{key}={override_text(value)}"]
-    return cmd + ["-S", f"mlflow.sweep={plan.settings.study}"]
+    return ["dvc", "exp", "run", "-n", experiment_name(plan.settings.study, trial.number), *settings(plan, trial)]
 
 
 def finished(study: Any) -> int:
@@ -102,9 +107,12 @@ def in_flight(study: Any) -> int:
     return len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
 
 
-def run(plan: Plan, root: Path, say: Any = print) -> Any:
+def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None = None) -> Any:
     """Run the search of ``plan`` in the repository at ``root`` until the study holds ``search.trials`` finished
-    trials; returns the study. SIGTERM or SIGUSR1 stops it (:class:`Stopped`) as Ctrl-C does, trials resumable."""
+    trials; returns the study. SIGTERM or SIGUSR1 stops it (:class:`Stopped`) as Ctrl-C does, trials resumable.
+    ``cluster``: each trial a job on that scheduler (:mod:`ddpipe.search.cluster`), not a process here."""
+    if cluster is not None:
+        on_cluster.check(cluster, plan.storage)
     study = open_study(plan)
     check_names(plan, study, root)
     plan.folder.mkdir(parents=True, exist_ok=True)
@@ -121,11 +129,11 @@ def run(plan: Plan, root: Path, say: Any = print) -> Any:
     try:
         while True:
             while len(running) < plan.settings.jobs and resume:
-                if (started := again(plan, study, root, resume.pop(0), say)) is not None:
+                if (started := again(plan, study, root, resume.pop(0), say, cluster)) is not None:
                     running.append(started)
             while (len(running) < plan.settings.jobs and failed_in_a_row < MAX_FAILED_IN_A_ROW
                    and finished(study) + in_flight(study) < plan.settings.trials):
-                running.append(start(plan, study, root, say))
+                running.append(start(plan, study, root, say, cluster=cluster))
             if not running and not resume:
                 break
             time.sleep(POLL_S)
@@ -208,8 +216,10 @@ def _stop(signum: int, frame: Any) -> None:
     raise Stopped(signum)
 
 
-def start(plan: Plan, study: Any, root: Path, say: Any, resumed: Any = None) -> Running:
-    """Ask the study for the next trial (or take ``resumed``, a trial to run again) and start its experiment."""
+def start(plan: Plan, study: Any, root: Path, say: Any, resumed: Any = None,
+          cluster: ClusterConfig | None = None) -> Running:
+    """Ask the study for the next trial (or take ``resumed``, a trial to run again) and start its experiment: here,
+    or as a job of ``cluster``'s scheduler."""
     with warnings.catch_warnings():  # a database's heartbeat is recorded here, not by Study.optimize: it is meant
         warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used", UserWarning)
         warnings.filterwarnings("ignore", "Fixed parameter .* is out of range", UserWarning)  # run noted it already
@@ -222,8 +232,14 @@ def start(plan: Plan, study: Any, root: Path, say: Any, resumed: Any = None) -> 
     spec = {"storage": plan.storage, "study": plan.settings.study, "trial": trial.number,
             "trial_id": trial._trial_id,  # Optuna's id of the trial (Trial(study, trial_id) opens it in the training)
             "metric": plan.settings.metric, "pruner": plan.settings.pruner,
-            "startup_trials": plan.settings.startup_trials, "attempt": attempt,
-            "checkpoints": str(trial_folder(plan, trial.number) / "checkpoints")}
+            "startup_trials": plan.settings.startup_trials, "attempt": attempt}
+    if cluster is None or cluster.storage == "shared":  # nodes that share nothing resume in the job's workspace
+        spec["checkpoints"] = str(trial_folder(plan, trial.number) / "checkpoints")
+    if cluster is not None:
+        job = on_cluster.start(root, name, settings(plan, trial), spec)
+        say(f"trial {trial.number}{f' (attempt {attempt})' if attempt > 1 else ''}: {job.rec.scheduler} job "
+            f"{job.rec.job}, experiment {name} (log: {job.log})")
+        return Running(trial, job, job.log, attempt)
     log = plan.folder / f"trial-{trial.number}.log"
     ws = prepare_workspace(plan, trial, root, say)
     cmd = command(plan, trial)
@@ -237,7 +253,8 @@ def start(plan: Plan, study: Any, root: Path, say: Any, resumed: Any = None) -> 
     return Running(trial, process, log, attempt)
 
 
-def again(plan: Plan, study: Any, root: Path, frozen: Any, say: Any) -> Running | None:
+def again(plan: Plan, study: Any, root: Path, frozen: Any, say: Any,
+          cluster: ClusterConfig | None = None) -> Running | None:
     """Run a stopped trial (a FrozenTrial, RUNNING) again under its number, from its checkpoints; or, when its
     experiment was finished and only the telling was lost with its driver, record it (returns None)."""
     import optuna
@@ -252,7 +269,7 @@ def again(plan: Plan, study: Any, root: Path, frozen: Any, say: Any) -> Running 
             f"{value:.4f}")
         shutil.rmtree(trial_folder(plan, frozen.number), ignore_errors=True)
         return None
-    return start(plan, study, root, say, resumed=trial)
+    return start(plan, study, root, say, resumed=trial, cluster=cluster)
 
 
 def heartbeat(study: Any, trial_ids: list[int]) -> None:
@@ -263,10 +280,14 @@ def heartbeat(study: Any, trial_ids: list[int]) -> None:
             store.record_heartbeat(trial_id)
 
 
-def stop(process: subprocess.Popen) -> None:
-    """SIGTERM to ``process`` and every process under it (the training's launcher checkpoints and exits); wait."""
+def stop(process: subprocess.Popen | on_cluster.ClusterTrial) -> None:
+    """SIGTERM to ``process`` and every process under it (the training's launcher checkpoints and exits); wait. A
+    cluster's job is cancelled (its scheduler signals it)."""
     import psutil
 
+    if isinstance(process, on_cluster.ClusterTrial):
+        process.stop()
+        return
     try:
         tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
     except psutil.NoSuchProcess:

@@ -105,11 +105,13 @@ def entry(repo: Path, root: Path, e: Queued, submission: str) -> dict:
             "run_info": e.cfg.paths.run_info, "test_metrics": e.cfg.paths.test_metrics, "job": ""}
 
 
-def submit(repo: Path, overrides: list[str], dry_run: Path | None) -> list[records.Record]:
+def submit(repo: Path, overrides: list[str], dry_run: Path | None,
+           names: list[str] | None = None) -> list[records.Record]:
+    """Every experiment of DVC's queue (or those of ``names``: a search's trial) as a job; all or nothing."""
     if wrong := [o for o in overrides if not o.startswith("cluster.")]:
         raise ClusterError(f"{' '.join(wrong)}: only cluster.* keys are accepted here (the experiments run their own "
                            "queued params; queue them with -S instead)")
-    exps = queued(repo, overrides)
+    exps = queued(repo, overrides, names)
     check(repo, exps, dry_run is not None)
     root = records.state_dir(repo)
     submission = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)

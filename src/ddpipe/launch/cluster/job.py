@@ -147,7 +147,8 @@ def mark_run(e: dict, run_id: str | None, state: str) -> None:
         bound_http_requests()
         client = MlflowClient(store_uri(e["tracking_uri"]))
         client.set_tag(run_id, "ddpipe.cluster.state", state)
-        if state == "failed" and client.get_run(run_id).info.status != "FAILED":
+        # a run that ended KILLED says why itself (a search's pruned trial, a stop): left so
+        if state == "failed" and client.get_run(run_id).info.status not in ("FAILED", "KILLED"):
             client.set_tag(run_id, "ddpipe.cluster.log", e["log"])
             client.set_terminated(run_id, "FAILED")
     except Exception as exc:  # the experiment's own record (results/, the log) still says it
