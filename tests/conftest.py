@@ -283,7 +283,7 @@ def wait_for_step_checkpoint(directory: Path, epoch: int, step: int, running: Ca
 def training_processes(marker: str) -> list[psutil.Process]:
     """The processes on this host whose command line names ``marker`` (a test's own directory) or that work in it or
     below it: a launcher, its torchrun, the workers and their loader workers (forked, the same command line), a DVC
-    experiment's in its temporary workspace."""
+    experiment's in its workspace (a search trial's, a queued one's)."""
     found = []
     for p in psutil.process_iter(["cmdline", "cwd", "status"]):
         try:
