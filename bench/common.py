@@ -127,6 +127,46 @@ def run_timed(cmd: Sequence[str] | str, cwd: str | Path = REPO,
     return seconds
 
 
+GIT_IDENTITY = {"GIT_AUTHOR_NAME": "bench", "GIT_AUTHOR_EMAIL": "bench@ddpipe.invalid", "GIT_COMMITTER_NAME": "bench",
+                "GIT_COMMITTER_EMAIL": "bench@ddpipe.invalid"}
+
+
+def clone_env(clone: Path) -> dict[str, str]:
+    """A clone's own code (its src/, not the editable install's), its own mlflow.db, a git identity."""
+    return clean_env(**GIT_IDENTITY, MLFLOW_TRACKING_URI="", PYTHONPATH=str(clone / "src"))
+
+
+def run_in_clone(cmd: list[str], clone: Path) -> tuple[str, float]:
+    """Run ``cmd`` in ``clone``: (its stdout, its wall seconds); :class:`BenchError` when it fails."""
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, cwd=clone, env=clone_env(clone), capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL)
+    seconds = time.perf_counter() - t0
+    if out.returncode != 0:
+        raise BenchError(f"{' '.join(cmd)} exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return out.stdout, seconds
+
+
+def clone_checkout(dest: Path, params: dict[str, Any], message: str) -> None:
+    """This checkout's files (tracked and unignored) as a fresh git repo at ``dest`` with ``params`` (dotted keys)
+    in its params.yaml, committed, reproduced with `dvc repro` and committed again."""
+    from omegaconf import OmegaConf
+
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout.split()
+    for f in files:
+        if (REPO / f).is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / f, dest / f)
+    cfg = OmegaConf.load(dest / "params.yaml")
+    for key, value in params.items():
+        OmegaConf.update(cfg, key, value, merge=False)
+    OmegaConf.save(cfg, dest / "params.yaml")
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", message],
+                ["dvc", "repro"], ["git", "add", "-A"], ["git", "commit", "-qm", "reproduced"]):
+        run_in_clone(cmd, dest)
+
+
 def config(overrides: Sequence[str] = ()) -> Config:
     """The repository's params.yaml with ``key=value`` overrides, wherever the script runs from."""
     return load_config(list(overrides), params_file=REPO / "params.yaml")

@@ -3,15 +3,22 @@
     export MLFLOW_AUTH_ADMIN_PASSWORD=...            # or --admin-password-file FILE; never a default
     python deploy/tracking_server.py start --dir /srv/ddpipe-mlflow --host 0.0.0.0 --port 5000
     python deploy/tracking_server.py add-user alice --permission EDIT --experiment ddpipe   # password: --password-file
-    python deploy/tracking_server.py status --dir /srv/ddpipe-mlflow
+    python deploy/tracking_server.py status --dir /srv/ddpipe-mlflow        # and the search.storage URL
     python deploy/tracking_server.py stop --dir /srv/ddpipe-mlflow
 
-``start`` (``make tracking-server``) makes, in ``--dir``, what is not there yet and starts it:
+``start`` (``make tracking-server``) makes, in ``--dir``, what is not there yet (nothing twice) and starts it:
 
 - PostgreSQL (Debian's ``postgresql`` package; ``--backend-store-uri`` names an existing server instead): a data
   directory it initialises (owned by the ``postgres`` user when run as root, which PostgreSQL refuses to run as),
-  listening on 127.0.0.1 only, with a role ``mlflow`` whose random password is kept in ``<dir>/secrets`` (0600)
-  and two databases, ``mlflow`` (runs, models) and ``mlflow_auth`` (users, permissions);
+  listening on 127.0.0.1 only (unless ``--pg-listen``), with a role ``mlflow`` whose random password is kept in
+  ``<dir>/secrets`` (0600) and two databases, ``mlflow`` (runs, models) and ``mlflow_auth`` (users, permissions);
+- the search's study database (``python -m ddpipe.search``, docs/search.md): a role ``search`` with a random
+  password of its own in ``<dir>/secrets/postgres-search-password`` and a database ``search`` owned by it. ``start``
+  and ``status`` print the ``search.storage`` URL for params.yaml, without the password, which the search's driver
+  and its trainings get from ``PGPASSWORD`` or ``~/.pgpass`` (libpq reads either when a URL has none). Trials on
+  other nodes: ``--pg-listen 0.0.0.0`` (PostgreSQL's listen_addresses), and pg_hba.conf then lets the ``search``
+  role, and no other, reach its database from ``--pg-clients`` (default ``samenet``: the subnets this host is on)
+  with scram-sha-256; the mlflow role connects from this host only;
 - ``mlflow server --app-name basic-auth``: every request needs a user and password (401 without), an unknown
   experiment is readable by every user and writable by those given EDIT (``default_permission = READ``), and
   artifacts go through the server to ``--artifacts-destination`` (default ``<dir>/artifacts``; an object store
@@ -27,10 +34,12 @@ means: ``MLFLOW_TRACKING_USERNAME``/``MLFLOW_TRACKING_PASSWORD`` or ``~/.mlflow/
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -42,6 +51,8 @@ from ddpipe.core.processes import alive
 from ddpipe.tracking.store import redact
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
+SEARCH, SEARCH_SECRET = "search", "postgres-search-password"  # the search's role and database; its password's file
+HBA_MARK = "# ddpipe: the search role from other hosts (deploy/tracking_server.py --pg-listen, --pg-clients)"
 PERMISSIONS = ("READ", "EDIT", "MANAGE", "NO_PERMISSIONS")
 
 
@@ -84,8 +95,10 @@ def _secret(directory: Path, name: str) -> str:
     return path.read_text().strip()
 
 
-def start_postgres(directory: Path, port: int) -> str:
-    """Initialise (once) and start the cluster in ``<dir>/postgres``; the mlflow role's database URI prefix."""
+def start_postgres(directory: Path, port: int, listen: str = "127.0.0.1", clients: str = "samenet") -> str:
+    """Initialise (once) and start the cluster in ``<dir>/postgres``, listening on ``listen``, the search role
+    reachable from ``clients`` when that is more than this host; the mlflow role's database URI prefix."""
+    hba = search_hba_lines(listen, clients)  # a mistake in --pg-clients: said before anything is made
     data, sockets = directory / "postgres", directory / "postgres-run"  # the socket and the log, owner's
     owner_root = os.geteuid() == 0
     for d in (data, sockets):
@@ -101,18 +114,99 @@ def start_postgres(directory: Path, port: int) -> str:
         print(f"initialising PostgreSQL in {data}", flush=True)
         _run(_as_owner([_pg_bin("initdb"), "-D", str(data), "--auth-local=peer", "--auth-host=scram-sha-256",
                         "-E", "UTF8", "--locale=C.UTF-8"]), "initdb")
-    if subprocess.run(_as_owner([_pg_bin("pg_ctl"), "-D", str(data), "status"]), capture_output=True).returncode:
-        _run(_as_owner([_pg_bin("pg_ctl"), "-D", str(data), "-l", str(sockets / "postgres.log"), "-w", "-t", "60",
-                        "-o", f"-p {port} -k {sockets} -c listen_addresses=127.0.0.1", "start"]),
-             f"starting PostgreSQL (its log: {sockets / 'postgres.log'})")
     psql = _as_owner([_pg_bin("psql"), "-h", str(sockets), "-p", str(port), "-d", "postgres", "-v",
-                      "ON_ERROR_STOP=1", "-tAc"])
-    if _run([*psql, "SELECT 1 FROM pg_roles WHERE rolname = 'mlflow'"], "psql").strip() != "1":
-        _run([*psql, f"CREATE ROLE mlflow LOGIN PASSWORD '{password}'"], "creating the mlflow role")
-    for db in ("mlflow", "mlflow_auth"):
-        if _run([*psql, f"SELECT 1 FROM pg_database WHERE datname = '{db}'"], "psql").strip() != "1":
-            _run([*psql, f"CREATE DATABASE {db} OWNER mlflow"], f"creating database {db}")
+                      "ON_ERROR_STOP=1", "-tA"])
+    _start_cluster(data, sockets, port, listen, hba, psql)
+    made = _provision(psql, "mlflow", password, ("mlflow", "mlflow_auth"))
+    made += _provision(psql, SEARCH, _secret(directory, SEARCH_SECRET), (SEARCH,))
+    if made:
+        print(f"PostgreSQL: created {', '.join(made)}", flush=True)
     return f"postgresql+psycopg://mlflow:{password}@127.0.0.1:{port}"
+
+
+def _start_cluster(data: Path, sockets: Path, port: int, listen: str, hba: list[str], psql: list[str]) -> None:
+    """Start the cluster listening on ``listen``, with ``hba`` (search_hba_lines) in its pg_hba.conf. One left
+    running (``stop --keep-postgres``) keeps the addresses it was started with, so it must listen there already; a
+    pg_hba.conf changed under it is reloaded."""
+    running = subprocess.run(_as_owner([_pg_bin("pg_ctl"), "-D", str(data), "status"]), capture_output=True)
+    if running.returncode == 0:
+        now = _run([*psql, "-c", "SHOW listen_addresses"], "psql").strip()
+        if now.replace(" ", "") != listen.replace(" ", ""):
+            raise ServerError(f"PostgreSQL in {data} is running, listening on {now!r}, not {listen!r} (--pg-listen); "
+                              f"stop it (deploy/tracking_server.py stop --dir {data.parent}) and start again")
+    changed = write_search_hba(data, hba)
+    if running.returncode:
+        _run(_as_owner([_pg_bin("pg_ctl"), "-D", str(data), "-l", str(sockets / "postgres.log"), "-w", "-t", "60",
+                        "-o", f"-p {port} -k {sockets} -c listen_addresses='{listen}'", "start"]),
+             f"starting PostgreSQL (its log: {sockets / 'postgres.log'})")
+    elif changed:
+        _run(_as_owner([_pg_bin("pg_ctl"), "-D", str(data), "reload"]), "reloading PostgreSQL's pg_hba.conf")
+
+
+def _provision(psql: list[str], role: str, password: str, databases: tuple[str, ...]) -> list[str]:
+    """The LOGIN role ``role`` and ``databases`` owned by it, each created unless there; what was created."""
+    made = []
+    if _run([*psql, "-c", f"SELECT 1 FROM pg_roles WHERE rolname = '{role}'"], "psql").strip() != "1":
+        # the statement through stdin: a password on psql's command line would show in ps
+        _run(psql, f"creating the {role} role", input=f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
+        made.append(f"role {role}")
+    for db in databases:
+        if _run([*psql, "-c", f"SELECT 1 FROM pg_database WHERE datname = '{db}'"], "psql").strip() != "1":
+            _run([*psql, "-c", f"CREATE DATABASE {db} OWNER {role}"], f"creating database {db}")
+            made.append(f"database {db}")
+    return made
+
+
+def loopback_only(listen: str) -> bool:
+    """Whether PostgreSQL's ``listen_addresses`` value reaches this host only."""
+    def loopback(address: str) -> bool:
+        try:
+            return address == "localhost" or ipaddress.ip_address(address).is_loopback
+        except ValueError:  # '*', a host name
+            return False
+
+    return all(loopback(a.strip()) for a in listen.split(","))
+
+
+def search_hba_lines(listen: str, clients: str) -> list[str]:
+    """pg_hba.conf's lines that let the search role reach its database from ``clients`` (CIDR networks, or
+    PostgreSQL's ``samenet``), with scram-sha-256; none while PostgreSQL listens on this host only. Every other
+    role and database stays local: initdb's lines match 127.0.0.1 and ::1 only."""
+    if loopback_only(listen):
+        return []
+    lines = []
+    for client in (c.strip() for c in clients.split(",")):
+        if client not in ("samenet", "all"):
+            try:
+                ipaddress.ip_network(client, strict=False)
+            except ValueError:
+                raise ServerError(f"--pg-clients: {client!r} is not accepted; expected samenet (the subnets this "
+                                  "host is on), all, or networks such as 10.1.0.0/16, comma-separated") from None
+        lines.append(f"host    {SEARCH}    {SEARCH}    {client}    scram-sha-256")
+    return lines
+
+
+def write_search_hba(data: Path, lines: list[str]) -> bool:
+    """``lines`` as the block under HBA_MARK at the end of ``<data>/pg_hba.conf`` (replacing the block an earlier
+    start wrote); whether the file changed. Written in place: the file keeps its owner, postgres."""
+    path = data / "pg_hba.conf"
+    text = path.read_text()
+    kept = text.split(f"\n{HBA_MARK}\n", 1)[0].rstrip("\n") + "\n"
+    new = kept + (f"\n{HBA_MARK}\n" + "\n".join(lines) + "\n" if lines else "")
+    if new == text:
+        return False
+    path.write_text(new)
+    return True
+
+
+def search_storage(directory: Path, port: int, listen: str) -> str:
+    """What to put in params.yaml ``search.storage`` (no password) and where its password goes."""
+    outside = [a.strip() for a in listen.split(",") if not loopback_only(a)]  # the address other nodes use
+    host = "127.0.0.1" if not outside else socket.gethostname() if outside[0] in ("*", "0.0.0.0", "::") else outside[0]
+    secret = directory / "secrets" / SEARCH_SECRET
+    return (f"search.storage: postgresql+psycopg://{SEARCH}@{host}:{port}/{SEARCH} (its password, in {secret}: "
+            f"PGPASSWORD in the search's environment, or the line {host}:{port}:{SEARCH}:{SEARCH}:<password> in "
+            "~/.pgpass, mode 0600, on every node that runs trials)")
 
 
 def stop_postgres(directory: Path) -> None:
@@ -177,7 +271,8 @@ def start(args: argparse.Namespace) -> None:
     if args.backend_store_uri:
         backend, auth_db = args.backend_store_uri, args.auth_database_uri or f"sqlite:///{directory / 'auth.db'}"
     else:
-        prefix = start_postgres(directory, args.pg_port)
+        prefix = start_postgres(directory, args.pg_port, args.pg_listen, args.pg_clients)
+        print(search_storage(directory, args.pg_port, args.pg_listen), flush=True)
         backend, auth_db = f"{prefix}/mlflow", args.auth_database_uri or f"{prefix}/mlflow_auth"
     artifacts = args.artifacts_destination or str(directory / "artifacts")
     env = {**os.environ, "MLFLOW_BACKEND_STORE_URI": backend, "MLFLOW_AUTH_ADMIN_PASSWORD": password,
@@ -230,10 +325,15 @@ def status(args: argparse.Namespace) -> None:
     pid_file = directory / "mlflow-server.pid"
     running = pid_file.is_file() and alive(int(pid_file.read_text()))
     print(f"mlflow server: {'running, pid ' + pid_file.read_text().strip() if running else 'not running'}")
-    if (directory / "postgres" / "PG_VERSION").is_file():
-        pg = subprocess.run(_as_owner([_pg_bin("pg_ctl"), "-D", str(directory / "postgres"), "status"]),
-                            capture_output=True, text=True)
+    data = directory / "postgres"
+    if (data / "PG_VERSION").is_file():
+        pg = subprocess.run(_as_owner([_pg_bin("pg_ctl"), "-D", str(data), "status"]), capture_output=True, text=True)
         print(f"PostgreSQL: {'running' if pg.returncode == 0 else 'not running'}")
+        if pg.returncode == 0:  # its port: the 4th line of postmaster.pid; its addresses: its own answer
+            port = int((data / "postmaster.pid").read_text().splitlines()[3])
+            listen = _run(_as_owner([_pg_bin("psql"), "-h", str(directory / "postgres-run"), "-p", str(port), "-d",
+                                     "postgres", "-tAc", "SHOW listen_addresses"]), "psql").strip()
+            print(search_storage(directory, port, listen))
     raise SystemExit(0 if running else 3)
 
 
@@ -279,7 +379,13 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=5000)
     s.add_argument("--allowed-hosts", default=None, help="Host headers accepted (mlflow's --allowed-hosts; default *)")
-    s.add_argument("--pg-port", type=int, default=5433, help="PostgreSQL's port on 127.0.0.1 (default %(default)s)")
+    s.add_argument("--pg-port", type=int, default=5433, help="our PostgreSQL's port (default %(default)s)")
+    s.add_argument("--pg-listen", default="127.0.0.1", metavar="ADDRESSES",
+                   help="our PostgreSQL's listen_addresses (default %(default)s: this host only); e.g. 0.0.0.0 for "
+                        "a search whose trials run on other nodes")
+    s.add_argument("--pg-clients", default="samenet", metavar="NETWORKS",
+                   help="with --pg-listen beyond this host: where the search role may connect from, e.g. "
+                        "10.1.0.0/16,10.2.0.0/16 (default %(default)s: the subnets this host is on)")
     s.add_argument("--backend-store-uri", default=None, help="an existing PostgreSQL's URI instead of our own")
     s.add_argument("--auth-database-uri", default=None, help="where users live (default: our PostgreSQL)")
     s.add_argument("--artifacts-destination", default=None,

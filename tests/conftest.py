@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import pickle
 import random
@@ -16,8 +17,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -278,17 +281,92 @@ def wait_for_step_checkpoint(directory: Path, epoch: int, step: int, running: Ca
     assert list(directory.glob(pattern)) and running(), f"no {pattern} in {directory} while the training ran"
 
 
+def training_processes(marker: str) -> list[psutil.Process]:
+    """The processes on this host whose command line names ``marker`` (a test's own directory) or that work in it or
+    below it: a launcher, its torchrun, the workers and their loader workers (forked, the same command line), a DVC
+    experiment's in its workspace (a search trial's, a queued one's)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "cwd", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and p.pid != os.getpid() and (
+                    any(marker in a for a in p.info["cmdline"] or ()) or (p.info["cwd"] or "").startswith(marker)):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def none_left_within(marker: str, seconds: float) -> list[psutil.Process]:
+    """Poll until no process of ``marker``'s training is left, at most ``seconds``; those still there."""
+    deadline = time.time() + seconds
+    while (left := training_processes(marker)) and time.time() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def kill_all(marker: str) -> None:
+    for p in training_processes(marker):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
 def torchrun(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
     """The train stage's torchrun command (one node, ``nproc`` workers), from ddpipe.launch's builder."""
     return torchrun_command(DistributedConfig(max_restarts=max_restarts), nproc, args)
+
+
+def prune_a_two_process_trial(tmp: Path, prepared: Path, storage: str, study_name: str,
+                              nodes: int = 1) -> tuple[Any, Path]:
+    """A search's trial trained by 2 processes, on one node or on two nodes of this host (a c10d rendezvous on
+    127.0.0.1), its study at ``storage`` (a journal file or a database URL whose password the environment holds):
+    rank 0 reports epoch 1 below the median of a finished trial, and both ranks stop after it, nothing of a finished
+    training left. Returns the trial as the study then holds it, and the training's directory."""
+    import optuna
+
+    from ddpipe.engine.pruning import TRIAL_ENV, make_pruner, open_storage
+
+    study = optuna.create_study(study_name=study_name, storage=open_storage(storage), direction="maximize",
+                                pruner=make_pruner("median", 1))
+    dist = optuna.distributions.FloatDistribution(1e-8, 1.0, log=True)
+    study.add_trial(optuna.create_trial(params={"train.base_lr": 0.003}, distributions={"train.base_lr": dist},
+                                        value=0.9, intermediate_values={1: 0.9, 2: 0.9, 3: 0.9}))
+    trial = study.ask({"train.base_lr": dist})
+    spec = {"storage": storage, "study": study_name, "trial": trial.number, "trial_id": trial._trial_id,
+            "metric": "val_accuracy", "pruner": "median", "startup_trials": 1}
+    out = tmp / "out"
+    args = args_for(out, prepared, "num_epochs=3", "train.base_lr=1e-8", "distributed.threads_per_process=1",
+                    f"mlflow.sweep={study_name}")
+    if nodes == 1:
+        commands = [torchrun(2, *args)]
+    else:
+        port = free_port()
+        commands = [[sys.executable, "-m", "ddpipe.launch", *args, "distributed.nproc_per_node=1",
+                     "distributed.nnodes=2", f"distributed.rdzv_endpoint=127.0.0.1:{port}",
+                     "distributed.rdzv_id=pruned"]] * 2
+    env = subprocess_env({TRIAL_ENV: json.dumps(spec)})
+    launchers = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for cmd in commands]
+    log = "".join(p.communicate(timeout=600)[0] for p in launchers)
+    assert all(p.returncode != 0 for p in launchers), log[-4000:]
+    said = f"trial {trial.number} of search '{study_name}' pruned after epoch 1 of 3"
+    assert log.count(said) == 2, log[-4000:]  # each rank
+    assert "epoch 2/3" not in log and not (out / "model.pt").exists() and not (out / "train.json").exists()
+    frozen = study.trials[trial.number]
+    assert frozen.user_attrs["pruned_epoch"] == 1 and list(frozen.intermediate_values) == [1]
+    return frozen, out
 
 
 GIT_ENV = {"GIT_AUTHOR_NAME": "ddpipe tests", "GIT_AUTHOR_EMAIL": "tests@ddpipe.invalid",
            "GIT_COMMITTER_NAME": "ddpipe tests", "GIT_COMMITTER_EMAIL": "tests@ddpipe.invalid"}
 # In a clone: commits need an identity, and runs go to the clone's own mlflow.db.
 CLONE_ENV = {**GIT_ENV, "MLFLOW_TRACKING_URI": ""}
+# threads pinned: a clone's weights are compared bit for bit, and a thread count shared with whatever
+# else runs on the host (the default) changes the arithmetic
 CLONE_PARAMS = {"data.max_train_samples": 1024, "model.width": 8, "num_epochs": 2,
-                "train.batch_size_per_rank": 64, "train.progress_bar": False}
+                "train.batch_size_per_rank": 64, "train.progress_bar": False,
+                "distributed.threads_per_process": 2}
 
 
 def clone_repo(dest: Path, params: dict | None = None) -> Path:

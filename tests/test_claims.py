@@ -72,7 +72,7 @@ def test_a_lock_left_by_a_killed_training_is_taken_over_with_a_note(tmp_path: Pa
     first.wait()
     with Claim.take({"paths.checkpoints": tmp_path / "ckpt"}, "launcher") as claim:
         note = capsys.readouterr().err
-        assert f"pid {first.pid}" in note and "taking it over" in note and "1 partial file" in note, note
+        assert f"pid {first.pid}" in note and "taking over" in note and "removed 1 partial file" in note, note
         assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if not p.name.startswith(".ddpipe")) == \
             ["ckpt-abc-e0001-s000002.pt"]
         assert [h.pid for h in read_holders(tmp_path / "ckpt" / LOCK_NAME)] == [os.getpid()]
@@ -151,3 +151,37 @@ def test_a_worker_stops_within_seconds_of_its_launcher_or_agent_being_killed(tmp
             except ProcessLookupError:
                 pass
         launcher.wait()
+
+
+STUCK = textwrap.dedent("""
+    import signal, time
+    from ddpipe.distributed.preemption import follow_launcher
+    signal.signal(signal.SIGTERM, lambda *a: None)  # recorded, as StopRequests does, but no step boundary comes
+    follow_launcher("rank 0")
+    print("following", flush=True)
+    time.sleep(600)  # a long validation pass
+""")
+
+
+def test_a_worker_with_no_step_boundary_in_sight_leaves_a_few_seconds_after_its_launcher(tmp_path: Path) -> None:
+    """Where the training cannot stop at a step (inside a validation pass, writing a finished training's outputs), a
+    worker whose launcher died leaves on its own STEP_GRACE_S later, saying so: nothing outlives a dead launcher."""
+    from ddpipe.distributed.preemption import STEP_GRACE_S
+
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    env = subprocess_env({LAUNCHER_ENV: f"{launcher.pid} {start_time(launcher.pid)}"})
+    log = tmp_path / "worker.log"  # a file: a pipe's reader may be gone with the launcher, so a pipe is muted
+    with open(log, "w") as errors:
+        worker = subprocess.Popen([sys.executable, "-c", STUCK], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                  stderr=errors, text=True)
+    try:
+        assert worker.stdout.readline().strip() == "following"
+        launcher.kill()
+        launcher.wait()
+        worker.wait(timeout=STEP_GRACE_S + 30)
+        err = log.read_text()
+        assert worker.returncode == 128 + signal.SIGTERM, err
+        assert "no step boundary within" in err and "resumes from its newest checkpoint" in err, err
+    finally:
+        worker.kill()
+        launcher.kill()

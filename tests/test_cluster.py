@@ -223,6 +223,40 @@ def test_a_queued_grid_runs_on_slurm_and_comes_back_as_dvc_experiments_and_one_m
     assert "succeeded" in status and "failed" in status and "broken" in status
 
 
+@pytest.mark.slow
+@slurm_only
+def test_a_search_on_slurm_runs_each_trial_as_a_job_of_its_own_resources_and_prunes(
+        cluster: SlurmCluster, repro_clone: Path) -> None:
+    """python -m ddpipe.search run --cluster: 4 trials, 2 jobs at once, the first on 2 nodes, the third with a
+    learning rate that cannot learn (pruned after epoch 1 of 2 on its node); every completed trial back as a DVC
+    experiment, the study ending with exactly 4 finished trials and none running."""
+    import optuna
+
+    repo = repro_clone
+    set_params(repo, {**SMALL, "train.batch_size_per_rank": 64, "train.checkpoint_every_steps": 0})
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["search"].update(study="cs", trials=4, jobs=2, startup_trials=1, space={
+        "train.base_lr": "loguniform(1e-4, 1e-1)", "distributed.nnodes": "choice(1, 2)"}, first=[
+        {"train.base_lr": 0.003, "distributed.nnodes": 2}, {"train.base_lr": 0.01, "distributed.nnodes": 1},
+        {"train.base_lr": 1e-7, "distributed.nnodes": 1}])
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    run(["git", "commit", "-qam", "a search"], cwd=repo, env=GIT_ENV)
+    env = {"SLURM_CONF": str(cluster.conf), **GIT_ENV, "MLFLOW_TRACKING_URI": ""}
+    out = run(["python", "-m", "ddpipe.search", "run", "--cluster"], cwd=repo, env=env, timeout=1800).stdout
+    assert "slurm job" in out, out
+
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(
+        str(repo / "search" / "cs" / "study.journal")))
+    study = optuna.load_study(study_name="cs", storage=storage)
+    states = {t.number: t.state.name for t in study.trials}
+    assert len(states) == 4 and set(states.values()) <= {"COMPLETE", "PRUNED"}, (states, out)
+    assert states[2] == "PRUNED" and study.trials[2].user_attrs["pruned_epoch"] == 1, out
+    for t in study.trials:
+        assert bool(exp_ref(repo, f"cs-{t.number}")) == (t.state.name == "COMPLETE"), (t.number, out)
+    logs = repo / ".dvc" / "tmp" / "cluster" / "logs"
+    assert "world size 2 (2 node(s)" in (logs / "cs-0.log").read_text()
+
+
 # -- a real SSH remote --------------------------------------------------------------------------
 
 

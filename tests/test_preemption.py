@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import psutil
 import pytest
@@ -21,10 +22,14 @@ from tests.conftest import (
     ROOT,
     STOPPED,
     args_for,
+    free_port,
+    kill_all,
+    none_left_within,
     prepare_generated_folder,
     run,
     same_weights,
     subprocess_env,
+    training_processes,
     wait_for_step_checkpoint,
     weights,
 )
@@ -247,34 +252,23 @@ def test_a_training_stopped_at_two_processes_resumes_at_one_and_takes_the_same_s
     assert same_weights(weights(tmp_path / "model.pt"), weights(whole / "model.pt"))
 
 
-def _training_processes(marker: str) -> list[psutil.Process]:
-    """The processes on this host whose command line or working directory names ``marker`` (a test's own directory):
-    a launcher, its torchrun, the workers and their loader workers (forked, the same command line)."""
-    found = []
-    for p in psutil.process_iter(["cmdline", "cwd", "status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and p.pid != os.getpid() and (
-                    any(marker in a for a in p.info["cmdline"] or ()) or marker == (p.info["cwd"] or "")):
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
+def _start_in_own_session(cmd: list[str], log: IO[str]) -> subprocess.Popen:
+    """A launcher ``cmd`` in a session of its own (its process group is what a test kills), writing to ``log``."""
+    return subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
-def _none_left_within(marker: str, seconds: float) -> list[psutil.Process]:
-    """Poll until no process of ``marker``'s training is left, at most ``seconds``; those still there."""
-    deadline = time.time() + seconds
-    while (left := _training_processes(marker)) and time.time() < deadline:
-        time.sleep(0.1)
-    return left
-
-
-def _kill_all(marker: str) -> None:
-    for p in _training_processes(marker):
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
+def _resumes_equal(cmd: list[str], tmp_path: Path, text: str,
+                   uninterrupted: dict[str, torch.Tensor]) -> subprocess.CompletedProcess:
+    """After a kill whose log is ``text``: every rank stopped by the SIGTERM its watch sent, at one step of epoch 2,
+    after a checkpoint; ``cmd`` run again resumes at that step and ends bit-equal to ``uninterrupted``."""
+    (sig, epoch, step), = set(STOPPED.findall(text))
+    assert sig == "SIGTERM" and epoch == "2", text[-3000:]
+    resumed = run(cmd, env=CLONE_ENV)
+    assert f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step}" in resumed.stdout
+    print(f"stopped at epoch {epoch}, step {step}")
+    assert same_weights(weights(tmp_path / "model.pt"), uninterrupted)
+    return resumed
 
 
 @pytest.mark.slow
@@ -287,8 +281,7 @@ def test_sigkill_to_the_launchers_process_group_leaves_no_worker_and_the_same_co
     log, marker = tmp_path / "log.txt", str(tmp_path)
     cmd = launch(tmp_path, prepared, *EVERY_2)
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = _start_in_own_session(cmd, out)
         try:
             _train_workers(proc, 2)
             second = run(cmd, env=CLONE_ENV, check=False, timeout=300)
@@ -298,21 +291,15 @@ def test_sigkill_to_the_launchers_process_group_leaves_no_worker_and_the_same_co
             os.killpg(proc.pid, signal.SIGKILL)
             killed = time.time()
             proc.wait()
-            left = _none_left_within(marker, 5.0)
+            left = none_left_within(marker, 5.0)
             assert not left, f"still running 5 s after the kill: {[p.info['cmdline'] for p in left]}"
             print(f"every process gone {time.time() - killed:.1f} s after the SIGKILL")
         finally:
-            _kill_all(marker)
+            kill_all(marker)
     text = log.read_text()
     assert "the torchrun agent" in text or "the launcher" in text, text[-3000:]
-    (sig, epoch, step), = set(STOPPED.findall(text))  # both ranks stopped at one step, after its checkpoint
-    assert sig == "SIGTERM" and epoch == "2", text[-3000:]
-
-    resumed = run(cmd, env=CLONE_ENV)
-    assert "taking it over" in resumed.stderr and f"pid {proc.pid}" in resumed.stderr, resumed.stderr[-2000:]
-    assert f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step}" in resumed.stdout
-    print(f"stopped at epoch {epoch}, step {step}")
-    assert same_weights(weights(tmp_path / "model.pt"), uninterrupted)
+    resumed = _resumes_equal(cmd, tmp_path, text, uninterrupted)
+    assert "taking over" in resumed.stderr and f"pid {proc.pid}" in resumed.stderr, resumed.stderr[-2000:]
 
 
 @pytest.mark.slow
@@ -324,8 +311,7 @@ def test_sigkill_to_the_torchrun_agent_alone_stops_its_workers_and_the_same_comm
     log, marker = tmp_path / "log.txt", str(tmp_path)
     cmd = launch(tmp_path, prepared, *EVERY_2)
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = _start_in_own_session(cmd, out)
         try:
             workers = _train_workers(proc, 2)
             agent = psutil.Process(workers[0].ppid())
@@ -333,24 +319,21 @@ def test_sigkill_to_the_torchrun_agent_alone_stops_its_workers_and_the_same_comm
             wait_for_step_checkpoint(tmp_path / "ckpt", 2, 2, lambda: proc.poll() is None)
             agent.kill()
             assert proc.wait(timeout=120) == 128 + signal.SIGKILL
-            left = _none_left_within(marker, 2.0)
+            left = none_left_within(marker, 2.0)
             assert not left, f"still running after the launcher ended: {[p.info['cmdline'] for p in left]}"
         finally:
-            _kill_all(marker)
+            kill_all(marker)
     text = log.read_text()
     assert "was killed by SIGKILL" in text and "the torchrun agent" in text, text[-3000:]
-    (sig, epoch, step), = set(STOPPED.findall(text))
-    assert sig == "SIGTERM" and epoch == "2", text[-3000:]
-    resumed = run(cmd, env=CLONE_ENV)
-    assert f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step}" in resumed.stdout
-    print(f"stopped at epoch {epoch}, step {step}")
-    assert same_weights(weights(tmp_path / "model.pt"), uninterrupted)
+    _resumes_equal(cmd, tmp_path, text, uninterrupted)
 
 
 @pytest.mark.slow
 def test_sigkill_to_dvc_repro_leaves_a_step_checkpoint_and_the_next_repro_resumes_equal(repro_clone: Path) -> None:
-    """`dvc repro` SIGKILLed as a process group mid-epoch (DVC's lock goes with it): the workers stop after a
-    checkpoint and are gone within 5 s, dvc.lock is unchanged, and the next `dvc repro` resumes from that step (the
+    """`dvc repro` SIGKILLed as a process group mid-training (DVC's lock goes with it): the workers, which notice
+    their dead launcher within a poll (not at once, as a signal to them would be: so the kill comes early, at epoch
+    1's step 2, for the stop to land inside an epoch on a fast host too) stop after a checkpoint and are gone within
+    5 s, dvc.lock is unchanged, and the next `dvc repro` resumes from that step (the
     killed training's lock taken over, no traceback) and ends with the uninterrupted `dvc repro`'s weights."""
     model = repro_clone / "models" / "model.pt"
     reference = weights(model)
@@ -361,16 +344,18 @@ def test_sigkill_to_dvc_repro_leaves_a_step_checkpoint_and_the_next_repro_resume
         proc = subprocess.Popen(["dvc", "repro", "--force", "train"], cwd=repro_clone, stdout=out,
                                 stderr=subprocess.STDOUT, env=subprocess_env(CLONE_ENV), start_new_session=True)
         try:
-            wait_for_step_checkpoint(repro_clone / "checkpoints", 2, 2, lambda: proc.poll() is None)
+            wait_for_step_checkpoint(repro_clone / "checkpoints", 1, 2, lambda: proc.poll() is None)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            left = _none_left_within(marker, 5.0)
+            left = none_left_within(marker, 5.0)
             assert not left, f"still running 5 s after the kill: {[p.info['cmdline'] for p in left]}"
         finally:
-            _kill_all(marker)
+            kill_all(marker)
     text = log.read_text()
-    (sig, epoch, step), = set(STOPPED.findall(text))
-    assert sig == "SIGTERM" and epoch == "2", text[-3000:]
+    stops = set(STOPPED.findall(text))
+    assert len(stops) == 1, f"not one stop at a step: {stops}\n{text[-3000:]}"
+    (sig, epoch, step), = stops
+    assert sig == "SIGTERM" and int(step) > 0, text[-3000:]
     assert (repro_clone / "dvc.lock").read_text() == lock
 
     again = run(["dvc", "repro"], cwd=repro_clone, env=CLONE_ENV, timeout=900)
@@ -378,3 +363,50 @@ def test_sigkill_to_dvc_repro_leaves_a_step_checkpoint_and_the_next_repro_resume
     assert f"resuming from checkpoints at epoch {epoch}, step {step}" in again.stdout, again.stdout[-3000:]
     print(f"stopped at epoch {epoch}, step {step}")
     assert same_weights(weights(model), reference)
+
+
+@pytest.mark.slow
+def test_sigkill_to_one_node_of_two_stops_every_rank_at_one_step_and_both_nodes_resume_equal(
+        tmp_path: Path, prepared: Path, uninterrupted: dict[str, torch.Tensor]) -> None:
+    """Two nodes on this host (two launchers, a c10d rendezvous on 127.0.0.1, one process each): the process group of
+    the node whose worker is global rank 0 is SIGKILLed in epoch 2. Its worker follows its dead launcher, and through
+    the per-step agreement the other node's worker stops at the same step; rank 0 checkpoints it, no worker is left
+    5 s later, and the two nodes run again resume there and end with the one-node run's weights."""
+    port, marker = free_port(), str(tmp_path)
+
+    def node() -> list[str]:
+        return [sys.executable, "-m", "ddpipe.launch",
+                *args_for(tmp_path, prepared, *EXTRA, "distributed.nproc_per_node=1", "distributed.nnodes=2",
+                          f"distributed.rdzv_endpoint=127.0.0.1:{port}", "distributed.rdzv_id=kill-one-node")]
+
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
+    nodes = [subprocess.Popen(node() + list(EVERY_2), cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=open(log, "w"),
+                              stderr=subprocess.STDOUT, start_new_session=True) for log in logs]
+    try:
+        ranks = {rank: i for i, launcher in enumerate(nodes) for rank in _train_workers(launcher, 1)}
+        wait_for_step_checkpoint(tmp_path / "ckpt", 2, 2, lambda: all(n.poll() is None for n in nodes))
+        killed = nodes[ranks[0]]
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait()
+        workers = [p for p in training_processes(marker) if "torch.distributed.run" not in " ".join(p.cmdline())
+                   and "ddpipe.launch" not in " ".join(p.cmdline())]
+        deadline = time.time() + 5
+        while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers) and time.time() < deadline:
+            time.sleep(0.1)
+        left = [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not left, f"workers still running 5 s after the kill: {[p.cmdline() for p in left]}"
+        assert nodes[1 - ranks[0]].wait(timeout=120) != 0  # the other node ends, without a checkpoint of its own
+    finally:
+        kill_all(marker)
+    text = "".join(log.read_text() for log in logs)
+    (sig, epoch, step), = set(STOPPED.findall(text))  # both ranks, on both nodes, stopped at one step
+    assert sig == "SIGTERM" and epoch == "2" and len(STOPPED.findall(text)) == 2, text[-4000:]
+
+    port = free_port()
+    again = [subprocess.Popen(node(), cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in again]
+    assert [p.returncode for p in again] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert any(f"at epoch {epoch}, step {step}" in out for out in outs)
+    print(f"stopped at epoch {epoch}, step {step}")
+    assert same_weights(weights(tmp_path / "model.pt"), uninterrupted)

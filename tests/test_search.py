@@ -3,17 +3,34 @@ every rank after the same epoch; a real study of DVC experiments, continued, wit
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
 from ddpipe.config.load import load_config
 from ddpipe.config.schema import ConfigError
 from ddpipe.search.space import make_plan, override_text
-from tests.conftest import CLONE_ENV, GIT_ENV, PARAMS, args_for, run, torchrun
+from tests.conftest import (
+    CLONE_ENV,
+    GIT_ENV,
+    PARAMS,
+    kill_all,
+    none_left_within,
+    prune_a_two_process_trial,
+    run,
+    same_weights,
+    subprocess_env,
+    wait_for_step_checkpoint,
+    weights,
+)
 
 LR = "search.space.train.base_lr=loguniform(1e-4, 1e-1)"
 
@@ -75,6 +92,20 @@ def test_bad_input_is_refused_naming_key_value_and_what_is_accepted(tmp_path: Pa
     assert message in str(err.value)
 
 
+def test_a_key_outside_the_search_section_is_refused_on_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run num_epochs=20` would reach the driver, not the trials (their params are params.yaml's): exit 2 naming
+    it, nothing written."""
+    from ddpipe.search.cli import main
+
+    monkeypatch.setenv("DDPIPE_REPO_ROOT", str(tmp_path))
+    with pytest.raises(SystemExit) as exits:
+        main(["run", LR, "num_epochs=20"])
+    assert exits.value.code == 2
+    assert "error: num_epochs=20: only search.* keys are accepted" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_storage_that_does_not_answer_fails_before_any_trial(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The command exits 2 naming search.storage; nothing was written (no study, no folder)."""
@@ -92,15 +123,15 @@ def test_a_storage_that_does_not_answer_fails_before_any_trial(tmp_path: Path, c
     assert list(tmp_path.iterdir()) == []
 
 
-def test_trials_of_a_killed_driver_are_failed_and_queued_again_once(tmp_path: Path) -> None:
-    """A driver SIGKILLed leaves its trials RUNNING: the next run fails those whose driver on this host is gone and
-    queues each again with its params (Optuna's retry callback); a live driver's trial is left alone."""
+def test_trials_of_a_gone_driver_are_taken_over_under_their_numbers_once(tmp_path: Path) -> None:
+    """A driver SIGKILLed leaves its trials RUNNING: the next run takes over those whose driver on this host is gone,
+    to run them again under their numbers; a live driver's trial is left alone, and nothing is taken twice."""
     import socket
 
     import optuna
 
     from ddpipe.core.processes import start_time
-    from ddpipe.search.study import close_stale, driver_mark, open_study
+    from ddpipe.search.study import driver_mark, open_study, orphans
 
     plan = _plan(tmp_path, LR, "search.first=[]")
     study = open_study(plan)
@@ -109,43 +140,59 @@ def test_trials_of_a_killed_driver_are_failed_and_queued_again_once(tmp_path: Pa
     dists = {k: d.to_optuna() for k, d in plan.space.items()}
     orphan, live = study.ask(dists), study.ask(dists)
     orphan.set_user_attr("driver", {"host": socket.gethostname(), "pid": dead.pid, "started": start_time(dead.pid)})
-    live.set_user_attr("driver", driver_mark())
-    assert close_stale(study) == [orphan.number]
-    states = [t.state for t in study.trials]
-    assert states == [optuna.trial.TrialState.FAIL, optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING]
-    assert study.trials[2].params == orphan.params
-    assert close_stale(study) == []  # nothing twice
+    live.set_user_attr("driver", {**driver_mark(), "pid": os.getppid(), "started": start_time(os.getppid())})
+    assert [t.number for t in orphans(study)] == [orphan.number]
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.RUNNING] * 2 and len(study.trials) == 2
+    assert study.trials[orphan.number].user_attrs["driver"] == driver_mark()
+    assert orphans(study) == []  # taken: nothing twice
 
 
-def test_a_two_process_trial_is_pruned_on_every_rank_after_the_same_epoch(tmp_path: Path, prepared: Path) -> None:
-    """Rank 0 reports epoch 1 below the median of a finished trial; both ranks stop after it, the run is KILLED and
-    says pruned, no model is written, the study records the epoch."""
-    import optuna
+def test_a_trials_workspace_is_the_working_tree_in_a_repository_of_its_own(tmp_path: Path) -> None:
+    """A trial runs in a clone of its own (trials started together share no DVC stash): at HEAD, with the working
+    tree's changes to tracked files and the index's new files, not its untracked ones; the user's repository is left
+    as it was. An experiment named as a trial the study does not hold is refused before any trial."""
+    from ddpipe.launch import workspace
+    from ddpipe.search.driver import check_names
+    from ddpipe.search.study import SearchError, open_study
 
-    from ddpipe.engine.pruning import TRIAL_ENV, make_pruner, open_storage
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "params.yaml").write_text("lr: 1\n")
+    (repo / "code.py").write_text("old\n")
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "base"]):
+        run(cmd, cwd=repo, env=GIT_ENV)
+    (repo / "code.py").write_text("new\n")
+    (repo / "staged.py").write_text("staged\n")
+    run(["git", "add", "staged.py"], cwd=repo, env=GIT_ENV)
+    (repo / "untracked.txt").write_text("mine\n")
+    before = run(["git", "status", "--porcelain"], cwd=repo).stdout
 
-    journal = str(tmp_path / "study.journal")
-    study = optuna.create_study(study_name="s", storage=open_storage(journal), direction="maximize",
-                                pruner=make_pruner("median", 1))
-    dist = optuna.distributions.FloatDistribution(1e-8, 1.0, log=True)
-    study.add_trial(optuna.create_trial(params={"train.base_lr": 0.003}, distributions={"train.base_lr": dist},
-                                        value=0.9, intermediate_values={1: 0.9, 2: 0.9, 3: 0.9}))
-    trial = study.ask({"train.base_lr": dist})
-    spec = {"storage": journal, "study": "s", "trial": trial.number, "trial_id": trial._trial_id,
-            "metric": "val_accuracy", "pruner": "median", "startup_trials": 1}
-    out = tmp_path / "out"
-    result = run(torchrun(2, *args_for(out, prepared, "num_epochs=3", "train.base_lr=1e-8",
-                                       "distributed.threads_per_process=1", "mlflow.sweep=s")),
-                 env={TRIAL_ENV: json.dumps(spec)}, check=False)
-    log = result.stdout + result.stderr
-    assert result.returncode != 0
-    assert log.count(f"trial {trial.number} of search 's' pruned after epoch 1 of 3") == 2, log[-4000:]  # each rank
-    assert "epoch 2/3" not in log and not (out / "model.pt").exists() and not (out / "train.json").exists()
-    frozen = study.trials[trial.number]
-    assert frozen.user_attrs["pruned_epoch"] == 1 and list(frozen.intermediate_values) == [1]
+    head, changes = workspace.working_tree(repo)
+    ws = tmp_path / "trial-0" / "workspace"
+    workspace.make(ws, str(repo), head, changes)
+    assert (ws / "code.py").read_text() == "new\n" and (ws / "staged.py").read_text() == "staged\n"
+    assert not (ws / "untracked.txt").exists() and not ws.with_name("workspace.partial").exists()
+    assert run(["git", "rev-parse", "HEAD"], cwd=ws).stdout.strip() == head
+    assert run(["git", "status", "--porcelain"], cwd=repo).stdout == before  # the user's tree untouched
+    assert run(["git", "stash", "list"], cwd=repo).stdout == ""
 
+    plan = _plan(tmp_path, LR, "search.study=s", "search.first=[]")
+    study = open_study(plan)
+    check_names(plan, study, repo)  # nothing named s-<n>: fine
+    run(["git", "update-ref", f"refs/exps/{head[:2]}/{head[2:]}/s-3", head], cwd=repo)
+    with pytest.raises(SearchError, match=r"search.study = 's': DVC experiment\(s\) s-3 exist.*dvc exp remove s-3"):
+        check_names(plan, study, repo)
+
+
+@pytest.mark.parametrize("nodes", [1, 2], ids=["2 processes on 1 node", "2 nodes of 1 process"])
+def test_a_two_process_trial_is_pruned_on_every_rank_after_the_same_epoch(tmp_path: Path, prepared: Path,
+                                                                          nodes: int) -> None:
+    """Rank 0 reports epoch 1 below the median of a finished trial; both ranks stop after it (on one node, or on two
+    nodes of this host through a c10d rendezvous), the run is KILLED and says pruned, no model is written, the study
+    records the epoch."""
     from mlflow import MlflowClient
 
+    frozen, out = prune_a_two_process_trial(tmp_path, prepared, str(tmp_path / "study.journal"), "s", nodes)
     client = MlflowClient(f"sqlite:///{out}/mlflow.db")
     runs = client.search_runs([client.get_experiment_by_name("ddpipe").experiment_id])
     (pruned,) = [r for r in runs if "ddpipe.sweep_parent" not in r.data.tags]
@@ -206,6 +253,9 @@ def test_a_study_of_dvc_experiments_prunes_continues_and_names_its_best(repro_cl
     children = client.search_runs([exp.experiment_id],
                                   filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert sorted(c.info.run_name for c in children) == [f"lr-{n}" for n in range(5)]
+    for c in children:  # each trial ran its own params (trials started together run in workspaces of their own)
+        trial = study.trials[int(c.info.run_name.split("-")[1])]
+        assert float(c.data.params["train.base_lr"]) == pytest.approx(trial.params["train.base_lr"]), c.info.run_name
     assert {c.info.status for c in children if c.info.run_name == "lr-2"} == {"KILLED"}
     assert "optimization_history.png" in {a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(
         parent.info.run_id, "search")}
@@ -217,3 +267,155 @@ def test_a_study_of_dvc_experiments_prunes_continues_and_names_its_best(repro_cl
     assert "| 2 | PRUNED at epoch 1 |" in status and f"| lr-{top.number} |" in status
     run(["dvc", "exp", "apply", best["experiment"]], cwd=clone, env=CLONE_ENV)
     assert "up to date" in run(["dvc", "status"], cwd=clone, env=CLONE_ENV).stdout.lower()
+
+
+def _launcher_of(driver: subprocess.Popen) -> psutil.Process:
+    """The train stage's launcher (``python stages/train.py``) under the search's driver."""
+    for p in psutil.Process(driver.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "stages/train.py" in p.cmdline():
+                return p
+    raise AssertionError("no stages/train.py under the driver")
+
+
+def _model_weights(clone: Path, experiment: str) -> dict:
+    """The weights of ``experiment``'s model, from the DVC cache by its dvc.lock."""
+    (ref,) = [r for r in run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], cwd=clone).stdout.split()
+              if r.endswith(f"/{experiment}")]
+    lock = yaml.safe_load(run(["git", "show", f"{ref}:dvc.lock"], cwd=clone).stdout)
+    (md5,) = [o["md5"] for o in lock["stages"]["train"]["outs"] if o["path"].endswith("model.pt")]
+    return weights(clone / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:])
+
+
+@pytest.mark.slow
+def test_a_stopped_trial_and_a_killed_driver_resume_bit_equal_under_their_numbers(repro_clone: Path) -> None:
+    """Trial 0's training SIGTERMed inside epoch 2: the driver runs it again under number 0 from its step checkpoint.
+    Then the driver's process group SIGKILLed inside trial 1's epoch 2: nothing is left running, trial 1 stays
+    RUNNING, and the same command resumes it under number 1; the study ends with exactly 2 trials, one MLflow run
+    each, and both models are bit-equal to an uninterrupted study's."""
+    import optuna
+    from mlflow import MlflowClient
+
+    clone = repro_clone
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    params["num_epochs"] = 3
+    params["mlflow"]["log_model"] = False
+    params["train"]["checkpoint_every_steps"] = 2  # a moment inside epoch 2 to stop at, however fast the host
+    params["distributed"]["threads_per_process"] = 1  # the same arithmetic whatever else runs on the host
+    params["search"].update(study="r", trials=2, jobs=1, space={"train.base_lr": "loguniform(1e-4, 1e-1)"},
+                            first=[{"train.base_lr": 0.003}, {"train.base_lr": 0.01}])
+    (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    run(["git", "commit", "-qam", "a search"], cwd=clone, env=GIT_ENV)
+    folder, log = clone / "search" / "r", clone / "driver.log"
+    with open(log, "w") as out:
+        driver = subprocess.Popen([sys.executable, "-m", "ddpipe.search", "run"], cwd=clone, stdout=out,
+                                  stderr=subprocess.STDOUT, env=subprocess_env(CLONE_ENV), start_new_session=True)
+        try:
+            wait_for_step_checkpoint(folder / "trial-0" / "checkpoints", 2, 2, lambda: driver.poll() is None)
+            _launcher_of(driver).send_signal(signal.SIGTERM)
+            wait_for_step_checkpoint(folder / "trial-1" / "checkpoints", 2, 2, lambda: driver.poll() is None)
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+            left = none_left_within(str(clone), 10.0)
+            assert not left, f"still running 10 s after the kill: {[p.info['cmdline'] for p in left]}"
+        finally:
+            kill_all(str(clone))
+    first = log.read_text()
+    assert "trial 0: training stopped by SIGTERM at epoch 2" in first and "trial 0 (attempt 2)" in first, first[-3000:]
+
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(folder / "study.journal")))
+    assert [t.state.name for t in optuna.load_study(study_name="r", storage=storage).trials] == ["COMPLETE", "RUNNING"]
+    again = run([sys.executable, "-m", "ddpipe.search", "run"], cwd=clone, env=CLONE_ENV, timeout=600).stdout
+    assert "trial(s) 1 lost their driver: resumed under the same number" in again and "trial 1 (attempt 2)" in again
+    study = optuna.load_study(study_name="r", storage=storage)
+    assert [(t.state.name, t.user_attrs["attempts"]) for t in study.trials] == [("COMPLETE", 2), ("COMPLETE", 2)]
+    assert not (folder / "trial-0").exists() and not (folder / "trial-1").exists()  # checkpoints go with the trial
+
+    client = MlflowClient(f"sqlite:///{clone}/mlflow.db")
+    children = client.search_runs([client.get_experiment_by_name("ddpipe").experiment_id],
+                                  filter_string="tags.`mlflow.runName` LIKE 'r-%'")
+    assert sorted((c.info.run_name, c.info.status) for c in children) == [("r-0", "FINISHED"), ("r-1", "FINISHED")]
+
+    run([sys.executable, "-m", "ddpipe.search", "run", "search.study=u"], cwd=clone, env=CLONE_ENV, timeout=600)
+    for n in (0, 1):
+        assert same_weights(_model_weights(clone, f"r-{n}"), _model_weights(clone, f"u-{n}")), f"trial {n}"
+
+
+def _study_with_experiments(repo: Path) -> None:
+    """A study ``t`` of six trials in ``repo``'s journal and the DVC experiments its trials left, each saved for real
+    with ``dvc exp save`` after an edit of params.yaml: trials 0, 1 (the best), 4 completed; 2 pruned (none); 3 failed
+    after its experiment was saved; 5 running (its driver records it from its experiment); ``t-9``, no trial of the
+    study; ``u-1``, another study's."""
+    import optuna
+    from optuna.trial import TrialState, create_trial
+
+    from ddpipe.engine.pruning import open_storage
+
+    params = yaml.safe_load(PARAMS.read_text())
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    for cmd in (["git", "init", "-q"], ["dvc", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "base"]):
+        run(cmd, cwd=repo, env=GIT_ENV)
+    (repo / "search" / "t").mkdir(parents=True)
+    study = optuna.create_study(study_name="t", direction="maximize",
+                                storage=open_storage(str(repo / "search" / "t" / "study.journal")))
+    dist = {"train.base_lr": optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True)}
+    for number, state, value in ((0, TrialState.COMPLETE, 0.5), (1, TrialState.COMPLETE, 0.9),
+                                 (2, TrialState.PRUNED, None), (3, TrialState.FAIL, None),
+                                 (4, TrialState.COMPLETE, 0.7)):
+        study.add_trial(create_trial(state=state, value=value, params={"train.base_lr": 0.001 * (number + 1)},
+                                     distributions=dist, user_attrs={"experiment": f"t-{number}"}))
+    study.ask(dist).set_user_attr("experiment", "t-5")
+    for name in ("t-0", "t-1", "t-3", "t-4", "t-5", "t-9", "u-1"):
+        params["train"]["base_lr"] = float(len(name) + int(name[-1])) / 1000
+        (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        run(["dvc", "exp", "save", "-q", "-n", name], cwd=repo, env=GIT_ENV)
+
+
+def test_remove_keeps_the_best_trials_experiments_and_leaves_the_study_whole(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``remove --keep 1`` leaves the best trial's experiment, a running trial's and those that are no trial of the
+    study; a bad --keep removes nothing (exit 2, naming it); --dry-run lists without removing; the study keeps every
+    trial, ``status`` says which experiments went, and ``best`` names the kept one, or none after --keep 0."""
+    from ddpipe.search.cli import main
+    from tests.conftest import VENV_BIN
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _study_with_experiments(repo)
+    monkeypatch.chdir(repo)
+    monkeypatch.setenv("DDPIPE_REPO_ROOT", str(repo))
+    monkeypatch.setenv("PATH", f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    everything = sorted(_experiments(repo))
+    assert everything == ["t-0", "t-1", "t-3", "t-4", "t-5", "t-9", "u-1"]
+    study = ["search.study=t", LR]
+
+    for bad, shown in ((["--keep", "-1"], "--keep = '-1' is not"), (["--keep=x"], "--keep = 'x' is not"),
+                       (["--keep"], "--keep without a value is not")):
+        with pytest.raises(SystemExit) as exits:
+            main(["remove", *study, *bad])
+        assert exits.value.code == 2
+        assert f"error: {shown} accepted; expected an integer >= 0" in capsys.readouterr().err
+    assert sorted(_experiments(repo)) == everything
+
+    assert main(["remove", "--keep", "1", "--dry-run", *study]) == 0
+    out = capsys.readouterr().out
+    assert "would remove 3 DVC experiment(s) (dry run: nothing removed): t-0, t-3, t-4" in out, out
+    assert "left alone: t-5 (trial 5 is RUNNING)" in out and "left alone: t-9 (no trial 9 in study t)" in out
+    assert sorted(_experiments(repo)) == everything
+
+    assert main(["remove", "--keep", "1", *study]) == 0
+    assert "removed 3 DVC experiment(s) in 1 call(s) of dvc exp remove: t-0, t-3, t-4" in capsys.readouterr().out
+    assert sorted(_experiments(repo)) == ["t-1", "t-5", "t-9", "u-1"]
+    assert main(["best", "--json", *study]) == 0
+    assert json.loads(capsys.readouterr().out)["experiment"] == "t-1"
+    assert main(["status", *study]) == 0
+    table = capsys.readouterr().out
+    assert table.count("| removed |") == 3 and "| t-1 |" in table and "| 2 | PRUNED |" in table
+    assert "3 COMPLETE, 1 FAIL, 1 PRUNED, 1 RUNNING" in table  # the study keeps every trial
+
+    assert main(["remove", "--keep=0", *study]) == 0
+    assert "removed 1 DVC experiment(s) in 1 call(s) of dvc exp remove: t-1" in capsys.readouterr().out
+    assert sorted(_experiments(repo)) == ["t-5", "t-9", "u-1"]
+    assert main(["best", "--json", *study]) == 0
+    assert json.loads(capsys.readouterr().out) == {"number": 1, "params": {"train.base_lr": 0.002}, "value": 0.9,
+                                                   "experiment": None}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,10 +21,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ddpipe.config.load import load_config
+from ddpipe.config.schema import ConfigError
 from ddpipe.data.store import open_split
-from tests.conftest import ROOT, VENV_BIN, args_for, free_port, run, subprocess_env, wait_for_url
+from ddpipe.search.space import Plan, make_plan
+from tests.conftest import (
+    PARAMS,
+    ROOT,
+    VENV_BIN,
+    args_for,
+    free_port,
+    prune_a_two_process_trial,
+    run,
+    subprocess_env,
+    wait_for_url,
+)
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
+SPACE = "search.space.train.label_smoothing=uniform(0.0, 0.2)"
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not (PG_BIN / "initdb").is_file(), reason="PostgreSQL 15 is not installed (apt-get install postgresql)")]
 ADMIN_PW, WRITER_PW, READER_PW = "admin-pw-0123456789", "writer-pw-0123456789", "reader-pw-0123456789"
@@ -35,9 +50,16 @@ class Server:
         self.dir, self.port, self.pg_port = directory, port, pg_port
         self.url = f"http://127.0.0.1:{port}"
 
-    def start(self) -> None:
-        run(["python", SCRIPT, "start", "--dir", str(self.dir), "--port", str(self.port), "--pg-port",
-             str(self.pg_port)], env={"MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN_PW}, timeout=300)
+    def start(self) -> str:
+        """Start it; what it printed (the search's storage URL, read from there, in ``search_storage``)."""
+        out = run(["python", SCRIPT, "start", "--dir", str(self.dir), "--port", str(self.port), "--pg-port",
+                   str(self.pg_port)], env={"MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN_PW}, timeout=300).stdout
+        self.search_storage = re.search(r"^search\.storage: (\S+) ", out, re.M)[1]
+        return out
+
+    @property
+    def search_password(self) -> str:
+        return (self.dir / "secrets" / "postgres-search-password").read_text().strip()
 
     def stop(self, keep_postgres: bool = False) -> None:
         run(["python", SCRIPT, "stop", "--dir", str(self.dir), *(["--keep-postgres"] if keep_postgres else [])])
@@ -52,7 +74,7 @@ def server() -> Iterator[Server]:
     directory = Path(tempfile.mkdtemp(prefix="ddpipe-team-server-"))
     directory.chmod(0o755)
     s = Server(directory, free_port(), free_port())
-    s.start()
+    s.first_start = s.start()
     try:
         admin = s.as_user("admin", ADMIN_PW)
         for user, pw, perm in (("writer", WRITER_PW, "EDIT"), ("reader", READER_PW, "READ")):
@@ -134,13 +156,14 @@ def test_a_server_down_for_epochs_two_and_three_loses_nothing(server: Server, tm
             server.stop(keep_postgres=True)
         _wait_for_epoch(tmp_path / "ckpt", 3, proc)
         with _paused(proc):  # the server is back before the training ends
-            server.start()
+            again = server.start()
         out, err = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err[-4000:]
     assert err.count("does not answer") == 1 and "answers again" in err, err[-4000:]
+    assert "created" not in again and f"search.storage: {server.search_storage} " in again, again  # nothing twice
     run_id = json.loads((tmp_path / "run.json").read_text())["run_id"]
     client = _client(server, "writer", WRITER_PW)
     r = client.get_run(run_id)
@@ -252,3 +275,121 @@ def _serve_by_alias(server: Server, tmp_path: Path, prepared: Path, evaluated_di
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+# -- the search's study database ------------------------------------------------------------------
+
+
+def _search_plan(server: Server, tmp_path: Path, study: str, storage: str | None = None) -> Plan:
+    return make_plan(load_config([SPACE, f"search.storage={storage or server.search_storage}",
+                                  f"search.study={study}"], params_file=PARAMS), tmp_path, None)
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # the driver's storage, asked here without its loop
+def test_the_search_database_that_start_made_and_status_names_keeps_a_study(
+        server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The URL `start` printed (and `status` prints), with the password in PGPASSWORD: a study made there, a trial
+    asked and told; the same study is there again through a plain postgresql:// URL and ~/.pgpass's form of the
+    password (PGPASSFILE) instead. (A second `start` creates nothing: test_a_server_down_... restarts the server.)"""
+    import optuna
+
+    from ddpipe.search.study import load_study, open_study
+
+    assert server.search_storage == f"postgresql+psycopg://search@127.0.0.1:{server.pg_port}/search"
+    assert "created role mlflow, database mlflow, database mlflow_auth, role search, database search" in \
+        server.first_start
+    monkeypatch.setenv("PGPASSWORD", server.search_password)
+    study = open_study(_search_plan(server, tmp_path, "kept"))
+    trial = study.ask({"train.label_smoothing": optuna.distributions.FloatDistribution(0.0, 0.2)})
+    study.tell(trial, 0.75)
+    status = run(["python", SCRIPT, "status", "--dir", str(server.dir)]).stdout
+    assert f"search.storage: {server.search_storage} " in status
+    assert server.search_password not in server.first_start + status
+
+    monkeypatch.delenv("PGPASSWORD")
+    pgpass = tmp_path / "pgpass"
+    pgpass.write_text(f"127.0.0.1:{server.pg_port}:search:search:{server.search_password}\n")
+    pgpass.chmod(0o600)
+    monkeypatch.setenv("PGPASSFILE", str(pgpass))
+    plain = server.search_storage.replace("postgresql+psycopg://", "postgresql://")
+    (kept,) = load_study(_search_plan(server, tmp_path, "kept", plain)).trials
+    assert (kept.state.name, kept.value, kept.params) == ("COMPLETE", 0.75, {"train.label_smoothing": 0.1})
+
+
+def test_a_wrong_search_database_password_fails_before_anything_is_made(
+        server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """PGPASSWORD wrong: a ConfigError naming search.storage, its URL without the user or any password, why, and what
+    is accepted; the command exits 2 with it before any trial, and neither a folder nor a study is made."""
+    from ddpipe.engine.pruning import open_storage
+    from ddpipe.search.cli import main
+    from ddpipe.search.study import open_study
+
+    wrong = "not-the-search-password-0123"
+    monkeypatch.setenv("PGPASSWORD", wrong)
+    with pytest.raises(ConfigError) as refused:
+        open_study(_search_plan(server, tmp_path, "refused"))
+    shown = server.search_storage.replace("search@", "")  # printed without its user
+    said = (f"search.storage = '{shown}' does not answer or refuses us", 'password authentication failed for user '
+            '"search"', "expected a reachable database (sqlite:///path.db, postgresql://user@host/db with PGPASSWORD")
+    assert all(s in str(refused.value) for s in said) and wrong not in str(refused.value), refused.value
+    monkeypatch.setenv("DDPIPE_REPO_ROOT", str(tmp_path))  # the command: exit 2 before any trial, nothing written
+    with pytest.raises(SystemExit) as exits:
+        main(["run", SPACE, f"search.storage={server.search_storage}", "search.study=refused"])
+    err = capsys.readouterr().err
+    assert exits.value.code == 2 and f"error: {said[0]}" in err and wrong not in err, err
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv("PGPASSWORD", server.search_password)
+    assert "refused" not in [s.study_name for s in open_storage(server.search_storage).get_all_studies()]
+
+
+def test_a_two_process_trial_reports_to_the_search_database_and_is_pruned_on_both_ranks(
+        server: Server, tmp_path: Path, prepared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trial's description carries the URL, the workers' environment the password (PGPASSWORD)."""
+    monkeypatch.setenv("PGPASSWORD", server.search_password)
+    prune_a_two_process_trial(tmp_path, prepared, server.search_storage, "pruned")
+
+
+def _outside_address() -> str | None:
+    """An IPv4 address of this host other than a loopback one."""
+    import socket
+
+    import psutil
+
+    found = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+             if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    return found[0] if found else None
+
+
+def test_from_another_address_only_the_search_role_reaches_only_its_database() -> None:
+    """`start --pg-listen` beyond this host (its own PostgreSQL, without mlflow server): a connection from this host's
+    outside address, which none of initdb's 127.0.0.1 lines matches, is let in as the search role to its database and
+    refused as mlflow or to another database (the default --pg-clients, samenet); the same start again changes
+    nothing, and one with other addresses while PostgreSQL runs is refused."""
+    import psycopg
+
+    from deploy.tracking_server import HBA_MARK, ServerError, start_postgres, stop_postgres
+
+    address = _outside_address() or pytest.skip("this host has no address but a loopback one")
+    directory = Path(tempfile.mkdtemp(prefix="ddpipe-pg-listen-"))
+    directory.chmod(0o755)
+    port, listen = free_port(), f"127.0.0.1,{address}"
+    try:
+        start_postgres(directory, port, listen)
+        passwords = {r: (directory / "secrets" / f"postgres-{r}-password").read_text().strip()
+                     for r in ("search", "mlflow")}
+        for user, db in (("search", "search"), ("mlflow", "mlflow"), ("search", "mlflow"), ("mlflow", "search")):
+            try:
+                psycopg.connect(host=address, port=port, user=user, dbname=db, password=passwords[user]).close()
+                let_in = True
+            except psycopg.OperationalError as exc:
+                assert "no pg_hba.conf entry" in str(exc), exc
+                let_in = False
+            assert let_in == (user == db == "search"), (user, db)
+        hba = (directory / "postgres" / "pg_hba.conf").read_text()
+        start_postgres(directory, port, listen)
+        assert (directory / "postgres" / "pg_hba.conf").read_text() == hba and hba.count(HBA_MARK) == 1
+        with pytest.raises(ServerError, match="listening on .* not '127.0.0.1' .* stop it"):
+            start_postgres(directory, port)
+    finally:
+        stop_postgres(directory)
+        shutil.rmtree(directory, ignore_errors=True)

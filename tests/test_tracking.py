@@ -464,3 +464,30 @@ def test_run_info_records_its_format_and_one_written_before_still_names_the_run(
         f"{RUN_INFO_FORMAT})"
     with pytest.raises(ValueError, match=re.escape(said)):
         read_run_info(today)
+
+
+_OPEN_AT_ONCE = """
+import sys, time
+from ddpipe.tracking.store import open_client
+start = float(sys.argv[2])
+time.sleep(max(0.0, start - time.time()))  # every process opens the new store at the same moment
+open_client(sys.argv[1]).search_experiments()
+"""
+
+
+def test_two_processes_opening_a_new_sqlite_store_at_once_leave_it_whole(tmp_path: Path) -> None:
+    """Three processes open one sqlite store that does not exist yet at the same moment (a search's first trials on a
+    fresh clone): one creates and migrates it while the others wait, every one succeeds, and no half-done migration
+    (alembic's ``_alembic_tmp_*`` tables) is left."""
+    import sqlite3
+    import sys
+
+    db = tmp_path / "mlflow.db"
+    start = str(time.time() + 3.0)  # after the three interpreters have imported MLflow
+    procs = [subprocess.Popen([sys.executable, "-c", _OPEN_AT_ONCE, f"sqlite:///{db}", start], cwd=tmp_path,
+                              env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], "\n".join(o[-1500:] for o in outs)
+    tables = {name for (name,) in sqlite3.connect(db).execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert "experiments" in tables and not {t for t in tables if t.startswith("_alembic_tmp")}, sorted(tables)

@@ -25,8 +25,8 @@ class SearchConfig:
     direction: str = param("maximize", "Whether a larger metric is better.", choices=("maximize", "minimize"))
     trials: int = param(20, "Finished trials (completed or pruned) the study holds when `run` ends; running it "
                         "again continues the same study up to this number.", ge=1)
-    jobs: int = param(1, "Trials at once on this host (each a `dvc exp run --temp`), sharing its cores and GPUs "
-                      "as `dvc queue start -j` does.", ge=1)
+    jobs: int = param(1, "Trials at once on this host (each a `dvc exp run` in a workspace of its own), sharing its "
+                      "cores and GPUs as `dvc queue start -j` does.", ge=1)
     sampler: str = param("tpe", "Optuna's sampler, seeded from seed: tpe, random, or grid (every combination of "
                          "choice and int distributions).", choices=("tpe", "random", "grid"))
     pruner: str = param("median", "Optuna's pruner, asked after every epoch: median (below the median of earlier "

@@ -54,8 +54,7 @@ class Holder:
 
     @classmethod
     def this(cls, role: str, token: str = "") -> Holder:
-        return cls(socket.gethostname(), os.getpid(), start_time(os.getpid()), role, time.time(),
-                   " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])[:300] if sys.argv else "", token)
+        return cls(socket.gethostname(), os.getpid(), start_time(os.getpid()), role, time.time(), _command(), token)
 
     def here(self) -> bool:
         return self.host == socket.gethostname()
@@ -68,6 +67,15 @@ class Holder:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
         what = f" ({self.command})" if self.command else ""
         return f"pid {self.pid}{'' if self.here() else ' on host ' + self.host}, {self.role}{what}, since {since}"
+
+
+def _command(limit: int = 120) -> str:
+    """This process's command as a person typed it (``python -m ddpipe.launch ...``), cut to ``limit`` characters."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    head = f"python -m {spec.name.removesuffix('.__main__')}" if spec else \
+        f"python {Path(sys.argv[0]).name}" if sys.argv and sys.argv[0] else "python"
+    text = " ".join([head, *sys.argv[1:]])
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def read_holders(path: Path) -> list[Holder]:
@@ -100,12 +108,21 @@ class Claim:
         token = uuid.uuid4().hex
         me = Holder.this(role, token)
         claim = cls(_directories(places), token, me, {})
+        left: dict[Path, list[Holder]] = {}
+        partial: list[Path] = []
         try:
             for label, directory in claim.places.items():
-                claim._fds[directory] = _take_one(label, directory, me, say)
+                claim._fds[directory], left[directory] = _take_one(label, directory, me)
+                if left[directory]:  # its holders are gone, their flocks with them, without releasing it: killed
+                    partial += partial_files(directory)
         except BaseException:
             claim.release()
             raise
+        if taken_over := [d for d, holders in left.items() if holders]:
+            remove_partial(partial)
+            say(f"note: taking over {', '.join(map(str, taken_over))} from a training that ended without releasing "
+                f"{'it' if len(taken_over) == 1 else 'them'} ({left[taken_over[0]][0]})"
+                + (f"; removed {len(partial)} partial file(s) its killed writes left" if partial else ""))
         return claim
 
     @classmethod
@@ -171,10 +188,11 @@ def _directories(places: Mapping[str, str | Path]) -> dict[str, Path]:
     merged: dict[Path, list[str]] = {}
     for label, directory in places.items():
         merged.setdefault(Path(directory).resolve(), []).append(label)
-    return {" and ".join(labels): directory for directory, labels in sorted(merged.items())}
+    return {", ".join(labels): directory for directory, labels in sorted(merged.items())}
 
 
-def _take_one(label: str, directory: Path, me: Holder, say: Callable[[str], None]) -> int:
+def _take_one(label: str, directory: Path, me: Holder) -> tuple[int, list[Holder]]:
+    """Take ``directory``: its lock's descriptor, and the holders a killed training left named in it."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_NAME
     with host_lock(directory / f"{LOCK_NAME}.gate"):
@@ -185,16 +203,11 @@ def _take_one(label: str, directory: Path, me: Holder, say: Callable[[str], None
             os.close(fd)
             raise InUse(in_use(label, directory, read_holders(path))) from None
         left = read_holders(path)
-        if left:  # its holders are gone (their flocks with them) without releasing it: killed
-            partial = partial_files(directory)
-            remove_partial(partial)
-            say(f"note: {label} ({directory}) was held by a training that ended without releasing it ({left[0]}); "
-                f"taking it over" + (f", removing {len(partial)} partial file(s) its writes left" if partial else ""))
         os.ftruncate(fd, 0)
         os.pwrite(fd, _line(me), 0)
         os.fsync(fd)
         fcntl.flock(fd, fcntl.LOCK_SH)  # under the gate: no other taker comes in between
-    return fd
+    return fd, left
 
 
 def _join_one(label: str, directory: Path, token: str, me: Holder, patience_s: float) -> int:
@@ -214,7 +227,7 @@ def _join_one(label: str, directory: Path, token: str, me: Holder, patience_s: f
     if not holders or holders[0].token != token:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
-        raise InUse(f"{label} ({directory}) is no longer this training's: "
+        raise InUse(f"{directory} ({label}) is no longer this training's: "
                     + (f"another training holds it ({holders[0]})" if holders else "its claim was released")
                     + "; this process stops without writing anything")
     os.write(fd, _line(me))
@@ -224,10 +237,10 @@ def _join_one(label: str, directory: Path, token: str, me: Holder, patience_s: f
 def in_use(label: str, directory: Path, holders: list[Holder]) -> str:
     """The refusal: who holds ``directory`` and what to do."""
     if not holders:
-        return (f"{label} ({directory}) is in use by another training (its lock file names nobody yet: it is "
+        return (f"{directory} ({label}) is in use by another training (its lock file names nobody yet: it is "
                 "starting); wait for it to end, or stop it")
     owner, alive_ = holders[0], [h for h in holders if h.alive()]
-    head = f"{label} ({directory}) is in use by another training: "
+    head = f"{directory} ({label}) is in use by another training: "
     if not owner.here():
         return (head + f"{owner}. Two trainings on one directory would overwrite each other's files: wait for it to "
                 f"end, or stop pid {owner.pid} on {owner.host}")

@@ -79,6 +79,8 @@ class StopRequests:
         comes one step later for it.
         """
         if self._group is None:
+            if self.signum:
+                STOPPING.set()
             return self.signum
         answer = 0
         if self._pending is not None:
@@ -87,6 +89,8 @@ class StopRequests:
             answer = int(flag.item())
         flag = torch.tensor([self.signum], dtype=torch.int32)
         self._pending = (start_max(flag, self._group), flag)
+        if answer:
+            STOPPING.set()
         return answer
 
 
@@ -94,6 +98,12 @@ class StopRequests:
 # ddpipe.core.processes.start_time gives it), which every worker follows
 LAUNCHER_ENV = "DDPIPE_LAUNCHER"
 FOLLOW_EVERY_S = 0.5
+# How long a worker whose launcher died waits for its training to reach a step boundary (the stop agreed, its
+# checkpoint under way) before it leaves at once (inside a validation pass, or writing a finished training's
+# outputs), and then for that checkpoint to be written: the run resumes from its newest checkpoint either way
+STEP_GRACE_S, CHECKPOINT_GRACE_S = 3.0, 60.0
+# Set once every rank agreed to stop (StopRequests.agreed): the step's checkpoint is being written
+STOPPING = threading.Event()
 
 
 def launcher_env() -> dict[str, str]:
@@ -127,8 +137,18 @@ def _follow(watched: dict[str, tuple[int, str | None]], label: str) -> None:
                 print(f"{label}: the {name} (pid {pid}) has ended: stopping at the next step, after a checkpoint",
                       file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGTERM)
-                return
+                if not STOPPING.wait(STEP_GRACE_S):
+                    _leave(f"{label}: no step boundary within {STEP_GRACE_S:g} s (a validation pass, or the outputs "
+                           "of a finished training): leaving now; the run resumes from its newest checkpoint")
+                time.sleep(CHECKPOINT_GRACE_S)
+                _leave(f"{label}: the stop's checkpoint was not written within {CHECKPOINT_GRACE_S:g} s: leaving now")
         time.sleep(FOLLOW_EVERY_S)
+
+
+def _leave(why: str) -> None:
+    """End this process at once (its launcher is gone: nobody waits for what is left to do), saying why."""
+    print(why, file=sys.stderr, flush=True)
+    os._exit(128 + signal.SIGTERM)
 
 
 def quiet_orphaned_output() -> None:

@@ -35,6 +35,7 @@ from ddpipe.engine.objective import Objective
 from ddpipe.engine.optimizer import Optimization
 from ddpipe.engine.progress import make_progress
 from ddpipe.engine.pruning import after_epoch as search_trial_after_epoch
+from ddpipe.engine.pruning import after_stop as search_trial_after_stop
 from ddpipe.engine.resolved import Resolved
 from ddpipe.engine.selection import ModelSelection
 from ddpipe.engine.stage_outputs import TrainingOutputs, hold_training, save_outputs
@@ -312,6 +313,8 @@ def train(run: Resolved) -> dict[str, float]:
         if trainer is not None:  # this node's system metrics stop, and the run ends saying why
             trainer.system.stop()
             trainer.tracker.end_after(exc)
+        if isinstance(exc, Preempted):  # a search's trial runs again under its number, from this step
+            search_trial_after_stop(info, str(exc))
         if isinstance(exc, RuntimeError) and info.distributed and dd.is_timeout(exc):
             # DistBackendError is a RuntimeError: fail within the bound, naming the silent ranks
             raise dd.explain_timeout(exc, info, cfg.distributed.timeout_s) from exc

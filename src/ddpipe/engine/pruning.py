@@ -11,6 +11,7 @@ and pruner are opened here, the one place both the search's driver and the train
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import warnings
@@ -22,9 +23,26 @@ from ddpipe.core.ranks import DistInfo
 from ddpipe.distributed import group as dd
 from ddpipe.engine.meters import EpochStats
 
-TRIAL_ENV = "DDPIPE_SEARCH_TRIAL"  # JSON: storage, study, trial (number), trial_id, metric, pruner, startup_trials
+TRIAL_ENV = "DDPIPE_SEARCH_TRIAL"  # JSON: storage, study, trial (number), trial_id, metric, pruner, startup_trials,
+# checkpoints (the trial's own directory, beside the experiment's workspace) and attempt (the driver's count)
 # The metrics a trial may be judged by: the epoch's own, as EpochStats logs them (the ema_ ones need train.ema_decay)
 EPOCH_METRICS = tuple(f.name for f in dataclasses.fields(EpochStats) if f.name != "epoch")
+
+
+def trial_spec() -> dict[str, Any] | None:
+    """The search's description of the trial this process trains, or None outside a search."""
+    raw = os.environ.get(TRIAL_ENV)
+    return json.loads(raw) if raw else None
+
+
+def trial_config(cfg: Any) -> Any:
+    """``cfg`` with ``paths.checkpoints`` at the trial's own directory (search/<study>/trial-<n>/checkpoints), which
+    outlives each attempt's workspace: a trial stopped by a signal or with its driver resumes there from
+    its step under the same number. Outside a search, ``cfg`` as it is."""
+    spec = trial_spec()
+    if not spec or not spec.get("checkpoints"):
+        return cfg
+    return dataclasses.replace(cfg, paths=dataclasses.replace(cfg.paths, checkpoints=spec["checkpoints"]))
 
 
 def open_storage(where: str, **rdb_options: Any) -> Any:
@@ -33,6 +51,10 @@ def open_storage(where: str, **rdb_options: Any) -> Any:
     import optuna
 
     if "://" in where:
+        # SQLAlchemy before 2.1 opens postgresql:// with psycopg2, which ddpipe does not install; psycopg 3 is what its
+        # server extra installs and MLflow's server uses (postgresql+psycopg://), so a plain URL goes through it
+        if where.startswith("postgresql://") and importlib.util.find_spec("psycopg2") is None:
+            where = "postgresql+psycopg://" + where.removeprefix("postgresql://")
         return optuna.storages.RDBStorage(where, **rdb_options)
     Path(where).parent.mkdir(parents=True, exist_ok=True)
     return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(where))
@@ -86,18 +108,36 @@ class SearchTrial:
         return str(dd.broadcast_object(why, self.info))
 
 
-_TRIALS: dict[int, SearchTrial] = {}  # per process: the trial is opened once, at its first epoch
+_TRIALS: dict[int, SearchTrial] = {}  # per process: the trial is opened once, when first needed
+
+
+def _this_trial(info: DistInfo) -> SearchTrial | None:
+    spec = trial_spec()
+    if spec is None:
+        return None
+    if os.getpid() not in _TRIALS:
+        _TRIALS[os.getpid()] = SearchTrial(spec, info)
+    return _TRIALS[os.getpid()]
 
 
 def after_epoch(stats: EpochStats, tracker: Any, info: DistInfo, num_epochs: int) -> None:
     """Called on every rank after each epoch's validation and checkpoint: in a search's trial, report and maybe
     stop (raise :class:`TrialPruned` on every rank, after rank 0 logged ``pruned_at_epoch``); else nothing."""
-    raw = os.environ.get(TRIAL_ENV)
-    if not raw:
+    if (trial := _this_trial(info)) is None:
         return
-    if os.getpid() not in _TRIALS:
-        _TRIALS[os.getpid()] = SearchTrial(json.loads(raw), info)
-    trial = _TRIALS[os.getpid()]
-    if why := trial.should_stop(stats, getattr(tracker, "run_id", None), num_epochs):
+    if why := trial.should_stop(stats, tracker.store_id(), num_epochs):  # the store's id once it has the run
         tracker.log_metrics({"pruned_at_epoch": stats.epoch}, step=stats.epoch)
         raise TrialPruned(trial.spec["study"], int(trial.spec["trial"]), stats.epoch, num_epochs, why)
+
+
+def after_stop(info: DistInfo, where: str) -> None:
+    """A trial's training stopped by a signal (SIGTERM, SIGUSR1, its launcher gone) after its step checkpoint: rank 0
+    tells the study which attempt stopped, so that the driver runs it again under the same number, from that step."""
+    if not info.is_main or trial_spec() is None:
+        return
+    try:
+        trial = _this_trial(info)
+        trial.trial.set_user_attr("stopped", {"attempt": trial.spec.get("attempt", 0), "at": where})
+    except Exception as exc:  # the study's store is down: the driver sees a failed attempt instead
+        warnings.warn(f"search trial: could not tell the study it stopped ({type(exc).__name__}: {exc})",
+                      RuntimeWarning, stacklevel=2)

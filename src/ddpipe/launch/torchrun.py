@@ -41,6 +41,7 @@ from ddpipe.data.store import PreparedDataError
 from ddpipe.distributed.host_leases import GpuLease, visible_gpus
 from ddpipe.distributed.preemption import launcher_env
 from ddpipe.engine.assembly import build_network
+from ddpipe.engine.pruning import trial_config
 from ddpipe.engine.resolved import Job, Resolved, resolve, resolve_job
 from ddpipe.engine.stage_outputs import claim_training
 from ddpipe.models.catalog import RENAMED, module_file
@@ -156,7 +157,9 @@ def worker_config(cfg: Config, world_size: int) -> Resolved:
     """What a training worker of a job of ``world_size`` processes trains with. Started by this launcher
     (:data:`CHECKED_ENV`): ``cfg`` resolved for its device and checked only for what the launcher could not see,
     the world size the job formed (an elastic ``MIN:MAX`` job's) against the global batch, and the prepared data
-    still readable. Started otherwise (torchrun or python by hand): every check of :func:`preflight`."""
+    still readable. Started otherwise (torchrun or python by hand): every check of :func:`preflight`. A search's
+    trial checkpoints in its own directory (:func:`~ddpipe.engine.pruning.trial_config`)."""
+    cfg = trial_config(cfg)
     if not os.environ.get(CHECKED_ENV):
         return preflight(cfg, world_size)
     run = resolve(cfg, this_device())
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     """Check, print the torchrun command, run it (``--print``: print only); exit with its code."""
     argv = sys.argv[1:] if argv is None else argv
     overrides, on_every_node = cluster_nodes([a for a in argv if a != "--print"])
-    cfg = load_or_exit(overrides, "-m ddpipe.launch")
+    cfg = trial_config(load_or_exit(overrides, "-m ddpipe.launch"))  # a search's trial: its own checkpoints
     with user_errors(PreparedDataError):  # fail here, before any worker starts on any node
         if cfg.distributed.nnodes != "1" and not cfg.distributed.rdzv_endpoint:
             raise ConfigError(f"distributed.rdzv_endpoint = '' is not accepted with distributed.nnodes = "

@@ -9,8 +9,9 @@ from typing import Any
 
 from ddpipe.config.schema import Config
 from ddpipe.core.errors import one_line
+from ddpipe.search.experiments import REMOVED
 from ddpipe.search.study import SearchError
-from ddpipe.tracking.store import bound_http_requests, experiment_id, sweep_parent, tracking_uri
+from ddpipe.tracking.store import bound_http_requests, experiment_id, open_client, sweep_parent, tracking_uri
 from ddpipe.tracking.sweeps import markdown
 
 PLOTS = ("optimization_history", "parallel_coordinate", "param_importances")
@@ -21,16 +22,20 @@ def _shown(value: Any) -> str:
 
 
 def rows(study: Any) -> list[list[str]]:
-    """``status``'s table: number, state (a pruned trial's with its epoch), params, value, epochs run, the DVC
-    experiment (completed trials only: a pruned or failed one leaves none), the MLflow run."""
+    """``status``'s table: number, state (a pruned trial's with its epoch), params, value, epochs run (and attempts,
+    when it was stopped and resumed), the DVC experiment (completed trials only: a pruned or failed one leaves none;
+    ``removed`` once ``remove`` removed it), the MLflow run."""
     table = [["trial", "state", "params", "value", "epochs", "DVC experiment", "MLflow run"]]
+    removed = set(study.user_attrs.get(REMOVED, ()))
     for t in study.get_trials(deepcopy=False):
         state = t.state.name + (f" at epoch {t.user_attrs['pruned_epoch']}" if "pruned_epoch" in t.user_attrs else "")
         params = " ".join(f"{k}={_shown(v)}" for k, v in t.params.items())
-        experiment = t.user_attrs.get("experiment", "") if t.state.name == "COMPLETE" else ""
+        experiment = "removed" if t.number in removed else \
+            t.user_attrs.get("experiment", "") if t.state.name == "COMPLETE" else ""
         value = "" if t.value is None else f"{t.value:.4f}"
-        table.append([str(t.number), state, params, value, str(t.user_attrs.get("epochs", "")), experiment,
-                      t.user_attrs.get("mlflow_run", "")])
+        attempts = int(t.user_attrs.get("attempts", 1))
+        epochs = str(t.user_attrs.get("epochs", "")) + (f" ({attempts} attempts)" if attempts > 1 else "")
+        table.append([str(t.number), state, params, value, epochs, experiment, t.user_attrs.get("mlflow_run", "")])
     return table
 
 
@@ -43,13 +48,15 @@ def status(study: Any) -> str:
 
 
 def best(study: Any) -> dict[str, Any]:
-    """The best completed trial: its number, params, value and DVC experiment."""
+    """The best completed trial: its number, params, value and DVC experiment (None once ``remove`` removed it)."""
     from optuna.trial import TrialState
 
     if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         raise SearchError(f"search {study.study_name}: no completed trial yet (python -m ddpipe.search status)")
     t = study.best_trial
-    return {"number": t.number, "params": t.params, "value": t.value, "experiment": t.user_attrs.get("experiment")}
+    gone = t.number in study.user_attrs.get(REMOVED, ())
+    return {"number": t.number, "params": t.params, "value": t.value,
+            "experiment": None if gone else t.user_attrs.get("experiment")}
 
 
 def plots(study: Any, folder: Path) -> tuple[list[Path], list[str]]:
@@ -82,12 +89,11 @@ def log_to_parent(cfg: Config, study: Any, files: list[Path]) -> str:
     store directly, not through an outbox: they are drawn from the study again by the next ``run``, nothing is lost
     when the store does not answer (the caller prints the failure). Returns the parent's id."""
     import mlflow
-    from mlflow import MlflowClient
 
     bound_http_requests()
     uri = tracking_uri(cfg.mlflow)
     mlflow.set_tracking_uri(uri)
-    client = MlflowClient(uri)
+    client = open_client(uri)
     run_id = sweep_parent(client, uri, experiment_id(mlflow, cfg.mlflow.experiment_name, uri), study.study_name)
     for f in files:
         client.log_artifact(run_id, str(f), artifact_path="search")
@@ -95,6 +101,6 @@ def log_to_parent(cfg: Config, study: Any, files: list[Path]) -> str:
         top = best(study)
     except SearchError:
         return run_id
-    client.set_tag(run_id, "ddpipe.search.best_trial", f"{top['number']} ({top['experiment']})")
+    client.set_tag(run_id, "ddpipe.search.best_trial", f"{top['number']} ({top['experiment'] or 'experiment removed'})")
     client.log_metric(run_id, f"best_{cfg.search.metric}", float(top["value"]), step=len(study.trials))
     return run_id

@@ -1,5 +1,6 @@
 """The study of a search: its storage opened (and checked to answer), its sampler, created or continued, the trials a
-killed driver left RUNNING closed and retried, and the ``first`` trials enqueued once."""
+gone driver left RUNNING taken over (this host's) or failed and retried (a database's, silent), and the ``first``
+trials enqueued once."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from ddpipe.engine.pruning import make_pruner, open_storage
 from ddpipe.search.space import Plan
 from ddpipe.tracking.store import redact
 
-# A database storage: the driver records a heartbeat of each running trial; one silent for GRACE_S is failed by the
-# next driver (Optuna's fail_stale_trials) and retried once with the same params, as one that died on this host is.
+# A database storage: the driver records a heartbeat of each trial it holds; one silent for GRACE_S (its driver on
+# another host gone) is failed by the next driver (Optuna's fail_stale_trials) and retried once with the same params.
 HEARTBEAT_S, GRACE_S, MAX_RETRY = 20, 120, 1
 
 
@@ -44,21 +45,25 @@ def storage(plan: Plan, for_driver: bool = False) -> Any:
                           "~/.pgpass) or null (a journal file in the repository)") from None
 
 
-def sampler(plan: Plan) -> Any:
-    """Optuna's sampler of ``search.sampler``, seeded from ``seed``."""
+def sampler(plan: Plan, drawn: int = 0) -> Any:
+    """Optuna's sampler of ``search.sampler``, seeded from ``seed`` and the ``drawn`` trials the study holds: a
+    continued study draws new points (a sampler seeded as at its start would repeat its first random ones), and the
+    same study with the same history draws the same."""
     import optuna
 
+    seed = plan.seed + drawn
     if plan.settings.sampler == "grid":
-        return optuna.samplers.GridSampler({k: d.grid() for k, d in plan.space.items()}, seed=plan.seed)
+        return optuna.samplers.GridSampler({k: d.grid() for k, d in plan.space.items()}, seed=seed)
     if plan.settings.sampler == "random":
-        return optuna.samplers.RandomSampler(seed=plan.seed)
-    return optuna.samplers.TPESampler(seed=plan.seed)
+        return optuna.samplers.RandomSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
 
 
 def open_study(plan: Plan) -> Any:
     """Create the study, or continue it (same name, same storage); a new one gets the ``first`` trials."""
     import optuna
 
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # our own lines say what happens to each trial
     store = storage(plan, for_driver=True)
     study = optuna.create_study(study_name=plan.settings.study, storage=store, sampler=sampler(plan),
                                 pruner=make_pruner(plan.settings.pruner, plan.settings.startup_trials),
@@ -67,6 +72,7 @@ def open_study(plan: Plan) -> Any:
         raise ConfigError(f"search.direction = {plan.settings.direction!r} is not accepted for the existing study "
                           f"{plan.settings.study!r}, which maximizes or minimizes the other way; expected "
                           f"{study.direction.name.lower()!r}, or a new search.study")
+    study.sampler = sampler(plan, len(study.get_trials(deepcopy=False)))
     if not study.get_trials(deepcopy=False):
         for params in plan.first:
             study.enqueue_trial(params, skip_if_exists=True)
@@ -94,10 +100,28 @@ def driver_mark() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "started": start_time(os.getpid())}
 
 
+def orphans(study: Any) -> list[Any]:
+    """The RUNNING trials whose driver on this host is gone (killed, or stopped by a signal), taken over by this
+    driver (its mark, and a heartbeat in a database, so that no other driver fails them meanwhile): the caller runs
+    each again under its number. Returns them (FrozenTrials)."""
+    from optuna.trial import TrialState
+
+    found = []
+    store = study._storage  # the storage the study was opened with (Optuna keeps no public handle on it)
+    beats = getattr(store, "get_heartbeat_interval", lambda: None)()
+    for trial in study.get_trials(states=(TrialState.RUNNING,)):
+        mark = trial.user_attrs.get("driver") or {}
+        if mark.get("host") == socket.gethostname() and not alive(int(mark.get("pid", 0)), mark.get("started")):
+            store.set_trial_user_attr(trial._trial_id, "driver", driver_mark())
+            if beats:
+                store.record_heartbeat(trial._trial_id)
+            found.append(trial)
+    return found
+
+
 def close_stale(study: Any) -> list[int]:
-    """Fail the RUNNING trials no driver runs any more, each retried once with its params (Optuna's
-    RetryHeartbeatStaleTrialCallback): those of a driver on this host that is gone, and, in a database, those whose
-    heartbeat stopped (another host's). Returns their numbers."""
+    """Fail the RUNNING trials of a database whose heartbeat stopped (another host's driver, gone), each queued again
+    once with its params (Optuna's fail_stale_trials and RetryHeartbeatStaleTrialCallback). Returns their numbers."""
     import optuna
     from optuna.trial import TrialState
 
@@ -105,23 +129,5 @@ def close_stale(study: Any) -> list[int]:
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         before = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
         optuna.storages.fail_stale_trials(study)
-        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(MAX_RETRY)
-        for trial in study.get_trials(states=(TrialState.RUNNING,)):
-            mark = trial.user_attrs.get("driver") or {}
-            if mark.get("host") == socket.gethostname() and not alive(int(mark.get("pid", 0)), mark.get("started")):
-                give_back(study, trial, retry)
         still = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
     return sorted(before - still)
-
-
-def give_back(study: Any, trial: Any, retry: Any | None = None) -> None:
-    """End ``trial`` (a FrozenTrial) as FAIL, the study keeping its record, and queue it again with its params."""
-    import optuna
-
-    try:
-        study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
-    except (ValueError, RuntimeError):  # finished meanwhile (another driver, a stale check): nothing to give back
-        return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        (retry or optuna.storages.RetryHeartbeatStaleTrialCallback(MAX_RETRY))(study, trial)

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import sys
 import tempfile
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ddpipe.core.errors import one_line
+from ddpipe.tracking.store import open_client
 
-_STORE_LOCK = threading.Lock()
 # MLflow's REST limits per log_batch request
 MAX_METRICS, MAX_PARAMS = 1000, 100
 # The store's answers that mean "not now" rather than "never": the records wait for it.
@@ -51,9 +50,8 @@ def send(journal: Any) -> Delivery:
 
     records = journal.waiting()
     try:
-        with _STORE_LOCK:  # one thread of a process at a time opens (and on first use migrates) a sqlite store
-            mlflow.set_tracking_uri(journal.uri)
-            client = mlflow.MlflowClient(journal.uri)
+        mlflow.set_tracking_uri(journal.uri)
+        client = open_client(journal.uri)  # one opener at a time: the first migrates a sqlite store
     except Exception as exc:  # a store that cannot be opened now (a file being migrated, a driver error): wait
         return Delivery(0, len(records), exc)
     sent, i = 0, 0

@@ -64,6 +64,18 @@ def store_uri(configured: str | None) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or configured or default_store()
 
 
+def open_client(uri: str) -> Any:
+    """An ``MlflowClient`` of ``uri``, whose first opening in a process creates and migrates a sqlite file: one process
+    of this host at a time does that (two trainings starting at once on a fresh clone, a search's first two trials,
+    would each migrate it and leave it broken). MLflow keeps the opened store for the process's later clients."""
+    import mlflow
+
+    if not uri.startswith("sqlite:"):
+        return mlflow.MlflowClient(uri)
+    with named_host_lock("store", uri):
+        return mlflow.MlflowClient(uri)
+
+
 def redact(uri: str) -> str:
     """``uri`` without a ``user:password@`` part: what may be printed, logged or written."""
     head, sep, tail = uri.partition("://")

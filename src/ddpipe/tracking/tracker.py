@@ -40,6 +40,7 @@ from ddpipe.tracking.store import (
     dvc_hash,
     experiment_id,
     git_tags,
+    open_client,
     redact,
     repo_root,
     runs_view_url,
@@ -162,7 +163,7 @@ class MlflowTracker(Tracker):
         import mlflow
 
         mlflow.set_tracking_uri(self.uri)
-        client = mlflow.MlflowClient(self.uri)
+        client = open_client(self.uri)
         self.experiment_id = experiment_id(mlflow, self.cfg.experiment_name, self.uri)
         if self.cfg.sweep:
             tags = {**tags, "mlflow.parentRunId": sweep_parent(client, self.uri, self.experiment_id, self.cfg.sweep)}
@@ -204,8 +205,7 @@ class MlflowTracker(Tracker):
         atomic_write_json(self.marker, {"run_id": run_id, "tracking_uri": redact(self.uri), **this_process()})
 
     def _close_orphans(self, markers: Path, keep: str | None) -> None:
-        """FAILED, with the reason, for each run a killed attempt left RUNNING (other than ``keep``): a record after
-        whatever of that run still waits in its outbox."""
+        """FAILED, with the reason, for each run a killed attempt left RUNNING (but ``keep``), after its outbox."""
         for path in sorted(Path(markers).glob("mlflow-run-*.json")):
             try:
                 marker = json.loads(path.read_text())

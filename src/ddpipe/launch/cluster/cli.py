@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from ddpipe.config.load import user_errors
+from ddpipe.launch import workspace
 from ddpipe.launch.cluster import ClusterError, kubernetes, records, slurm
 from ddpipe.launch.cluster.queue import Queued, exp_ref, git, pin_and_dequeue, queued
 from ddpipe.tracking.store import is_server, redact, tracking_uri
@@ -104,21 +105,21 @@ def entry(repo: Path, root: Path, e: Queued, submission: str) -> dict:
             "run_info": e.cfg.paths.run_info, "test_metrics": e.cfg.paths.test_metrics, "job": ""}
 
 
-def submit(repo: Path, overrides: list[str], dry_run: Path | None) -> list[records.Record]:
+def submit(repo: Path, overrides: list[str], dry_run: Path | None,
+           names: list[str] | None = None) -> list[records.Record]:
+    """Every experiment of DVC's queue (or those of ``names``: a search's trial) as a job; all or nothing."""
     if wrong := [o for o in overrides if not o.startswith("cluster.")]:
         raise ClusterError(f"{' '.join(wrong)}: only cluster.* keys are accepted here (the experiments run their own "
                            "queued params; queue them with -S instead)")
-    exps = queued(repo, overrides)
+    exps = queued(repo, overrides, names)
     check(repo, exps, dry_run is not None)
     root = records.state_dir(repo)
     submission = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
     out = dry_run or root / "submissions" / submission
     out.mkdir(parents=True, exist_ok=True)
     (root / "logs").mkdir(parents=True, exist_ok=True)
-    cache = subprocess.run(["dvc", "cache", "dir"], cwd=repo, capture_output=True, text=True).stdout.strip() \
-        or str(repo / ".dvc" / "cache")
     base = {"repo": str(repo), "submission": submission, "state": str(root), "python": sys.executable,
-            "cache": cache}
+            "cache": workspace.cache_dir(repo)}
     # alike experiments (the same scheduler and resources) share one array job
     groups: dict[tuple, list[Queued]] = {}
     for e in exps:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from ddpipe.core.exits import EXIT_PREEMPTED, STOP_SIGNALS
+from ddpipe.launch import workspace
 from ddpipe.launch.cluster import kubernetes, records, slurm
 from ddpipe.launch.cluster.queue import exp_ref
 
@@ -55,21 +56,9 @@ def sh(cmd: list[str], cwd: Path, env: dict | None = None, check: bool = True) -
 def make_workspace(m: dict, e: dict, ws: Path) -> None:
     """The experiment's workspace at ``ws``: its baseline checked out, its queued changes in the working tree."""
     if not (ws / ".git").is_dir():
-        source = m["repo"] if e["storage"] == "shared" else e["git_remote"]
-        partial = ws.with_name(ws.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        sh(["git", "clone", "--quiet", "--no-checkout", source, str(partial)], cwd=partial.parent)
-        sh(["git", "fetch", "--quiet", source, f"+{e['pin']}:{e['pin']}"], cwd=partial)
-        sh(["git", "checkout", "--quiet", "--detach", e["baseline_rev"]], cwd=partial)
-        # the stash commit's tree in the index and working tree, then the index back at the baseline: DVC sees the
-        # queued params and code as the workspace's changes, as in the repository they were queued in
-        sh(["git", "read-tree", "--reset", "-u", e["stash_rev"]], cwd=partial)
-        sh(["git", "reset", "--quiet"], cwd=partial)
-        if e["storage"] == "shared":
-            sh(["dvc", "cache", "dir", "--local", m["cache"]], cwd=partial)
-            sh(["dvc", "config", "--local", "cache.type", "hardlink,symlink,copy"], cwd=partial)
-        partial.rename(ws)
+        shared = e["storage"] == "shared"
+        workspace.make(ws, m["repo"] if shared else e["git_remote"], e["baseline_rev"], e["stash_rev"],
+                       fetch=e["pin"], cache=m["cache"] if shared else "", sh=sh)
     if not (ws / READY).exists():
         if e["storage"] == "shared":
             sh(["dvc", "checkout", "--quiet"], cwd=ws, check=False)  # what the cache has; the rest is computed
@@ -158,7 +147,8 @@ def mark_run(e: dict, run_id: str | None, state: str) -> None:
         bound_http_requests()
         client = MlflowClient(store_uri(e["tracking_uri"]))
         client.set_tag(run_id, "ddpipe.cluster.state", state)
-        if state == "failed" and client.get_run(run_id).info.status != "FAILED":
+        # a run that ended KILLED says why itself (a search's pruned trial, a stop): left so
+        if state == "failed" and client.get_run(run_id).info.status not in ("FAILED", "KILLED"):
             client.set_tag(run_id, "ddpipe.cluster.log", e["log"])
             client.set_terminated(run_id, "FAILED")
     except Exception as exc:  # the experiment's own record (results/, the log) still says it
@@ -208,9 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     run_id = mlflow_run(ws, e)
     if code == 0 and (ref := exp_ref(ws, name)):
         remote = ["-r", e["dvc_remote"]] if e["dvc_remote"] else []
-        push = (["git", "push", "--quiet", m["repo"], f"+{ref}:{ref}"] if e["storage"] == "shared" else
-                ["dvc", "exp", "push", *remote, e["git_remote"], name])
-        if sh(push, cwd=ws, check=False) != 0:  # done here, not back: say so, keep the workspace to push again
+        back = (workspace.send_back(ws, m["repo"], ref, sh) if e["storage"] == "shared" else
+                sh(["dvc", "exp", "push", *remote, e["git_remote"], name], cwd=ws, check=False) == 0)
+        if not back:  # done here, not back: say so, keep the workspace to push again
             say(f"experiment {name} ran but could not be sent back; its workspace is kept: {ws} (run the command "
                 "above there)")
             if e["storage"] == "shared":

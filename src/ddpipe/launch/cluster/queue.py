@@ -44,13 +44,13 @@ def exp_ref(repo: Path, name: str) -> str:
     return next((r for r in refs if r.rsplit("/", 1)[-1] == name), "")
 
 
-def queued(repo: Path, overrides: list[str] = ()) -> list[Queued]:
-    """Every experiment in ``repo``'s DVC queue with its params (``overrides`` on top), oldest first. ClusterError
-    for an empty queue, or naming the experiment whose params fail the checks."""
+def queued(repo: Path, overrides: list[str] = (), names: list[str] | None = None) -> list[Queued]:
+    """Every experiment in ``repo``'s DVC queue (or those of ``names``) with its params (``overrides`` on top), oldest
+    first. ClusterError for an empty queue, or naming the experiment whose params fail the checks."""
     from dvc.repo import Repo
 
     with Repo(str(repo)) as dvc:
-        entries = list(dvc.experiments.celery_queue.iter_queued())
+        entries = [e for e in dvc.experiments.celery_queue.iter_queued() if names is None or e.name in names]
     if not entries:
         raise ClusterError(f"DVC's queue in {repo} holds no experiment: queue some first, e.g. "
                            "dvc exp run --queue -S seed=1,2 -S mlflow.sweep=grid")
