@@ -167,6 +167,36 @@ def clone_checkout(dest: Path, params: dict[str, Any], message: str) -> None:
         run_in_clone(cmd, dest)
 
 
+@contextlib.contextmanager
+def mlflow_server(store: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+                  wait_s: float = 120) -> Iterator[str]:
+    """`mlflow server` on a free port of 127.0.0.1 with ``store`` as its backend store: its base URL once /health
+    answers (or ``wait_s`` passed); its process group killed on exit (its job-queue workers may ignore SIGTERM)."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mlflow = Path(os.path.abspath(sys.executable)).with_name("mlflow")  # cwd may be another directory
+    server = subprocess.Popen([str(mlflow), "server", "--host", "127.0.0.1",
+                               "--port", str(port), "--backend-store-uri", store], cwd=cwd, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        yield base
+    finally:
+        os.killpg(server.pid, 9)
+        server.wait(timeout=30)
+
+
 def config(overrides: Sequence[str] = ()) -> Config:
     """The repository's params.yaml with ``key=value`` overrides, wherever the script runs from."""
     return load_config(list(overrides), params_file=REPO / "params.yaml")

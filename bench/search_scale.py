@@ -22,15 +22,21 @@ import io
 import json
 import os
 import re
-import socket
 import statistics
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
-from common import REPO, append_jsonl, clone_checkout, clone_env, markdown_table, print_machine, run_in_clone
+from common import (
+    REPO,
+    append_jsonl,
+    clone_checkout,
+    clone_env,
+    markdown_table,
+    mlflow_server,
+    print_machine,
+    run_in_clone,
+)
 
 STUDY = "scale"
 CHEAP = {"data.max_train_samples": 256, "num_epochs": 1, "model.width": 4, "train.batch_size_per_rank": 64,
@@ -76,21 +82,7 @@ def runs_search(clone: Path, reps: int) -> tuple[int, list[float]]:
     """`mlflow server` on the clone's mlflow.db; the runs of experiment `ddpipe` (POST runs/search, max_results 1000,
     what the runs table of `mlflow ui` asks for), 1 + ``reps`` times: (runs returned, wall seconds of each; the first
     is the server's first search, its workers still starting beside it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1",
-                               "--port", str(port), "--backend-store-uri", f"sqlite:///{clone / 'mlflow.db'}"],
-                              cwd=clone, env=clone_env(clone), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(240):
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.5)
+    with mlflow_server(f"sqlite:///{clone / 'mlflow.db'}", cwd=clone, env=clone_env(clone), wait_s=240) as base:
         with urllib.request.urlopen(f"{base}/api/2.0/mlflow/experiments/get-by-name?experiment_name=ddpipe") as r:
             experiment = json.load(r)["experiment"]["experiment_id"]
         body = json.dumps({"experiment_ids": [experiment], "max_results": 1000}).encode()
@@ -103,9 +95,6 @@ def runs_search(clone: Path, reps: int) -> tuple[int, list[float]]:
                 count = len(json.load(r).get("runs", []))
             seconds.append(time.perf_counter() - t0)
         return count, seconds
-    finally:
-        os.killpg(server.pid, 9)  # the server's job-queue workers may ignore SIGTERM (tests/test_ui.py)
-        server.wait(timeout=30)
 
 
 def shown(values: list[float]) -> str:

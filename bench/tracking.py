@@ -15,12 +15,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from common import REPO, clean_env, ensure_prepared, markdown_table, print_machine, run_timed, temp_dir
+from common import REPO, clean_env, ensure_prepared, markdown_table, mlflow_server, print_machine, run_timed, temp_dir
 
 from ddpipe.config.schema import Config, MlflowConfig
 from ddpipe.core.ranks import DistInfo
@@ -66,23 +64,8 @@ def main() -> None:
     with temp_dir("ddpipe-bench-tracking-") as tmp:
         sqlite = f"sqlite:///{tmp}/mlflow.db"
         rows.append(["local sqlite store", *logging_cost(sqlite, tmp / "a", args.calls)])
-        port = 5077
-        server = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "server", "--backend-store-uri",
-                                   f"sqlite:///{tmp}/server.db", "--port", str(port)], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, start_new_session=True)
-        try:
-            import urllib.request
-
-            for _ in range(120):
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                    break
-                except OSError:
-                    time.sleep(0.5)
-            rows.append(["local mlflow server (HTTP)", *logging_cost(f"http://127.0.0.1:{port}", tmp / "b",
-                                                                       args.calls)])
-        finally:
-            os.killpg(server.pid, 9)
+        with mlflow_server(f"sqlite:///{tmp}/server.db") as base:
+            rows.append(["local mlflow server (HTTP)", *logging_cost(base, tmp / "b", args.calls)])
         print(markdown_table(["store", "synchronous log_batch, ms/epoch", "outbox log_metrics, ms/epoch"],
                              [[r[0], f"{r[1]:.2f}", f"{r[2]:.3f}"] for r in rows]))
         prepared = ensure_prepared(2048, "tracking")

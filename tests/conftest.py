@@ -369,11 +369,25 @@ CLONE_PARAMS = {"data.max_train_samples": 1024, "model.width": 8, "num_epochs": 
                 "distributed.threads_per_process": 2}
 
 
+def write_params(repo: Path, params: dict) -> None:
+    """``params`` (dotted keys; a mapping or list replaces the key's whole value) into ``repo``'s params.yaml."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(repo / "params.yaml")
+    for key, value in params.items():
+        OmegaConf.update(cfg, key, value, merge=False)
+    OmegaConf.save(cfg, repo / "params.yaml")
+
+
+def commit_params(repo: Path, params: dict, message: str) -> None:
+    """:func:`write_params`, then committed in ``repo`` (a clone) with ``message``."""
+    write_params(repo, params)
+    run(["git", "commit", "-qam", message], cwd=repo, env=GIT_ENV)
+
+
 def clone_repo(dest: Path, params: dict | None = None) -> Path:
     """What a clone of this repo holds (tracked and unignored files) as a fresh git repo, with
     ``params`` (dotted keys) written into its params.yaml and committed."""
-    from omegaconf import OmegaConf
-
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
                            text=True, check=True).stdout.split()
     for f in files:
@@ -381,10 +395,7 @@ def clone_repo(dest: Path, params: dict | None = None) -> Path:
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, dest / f)
     if params:
-        cfg = OmegaConf.load(dest / "params.yaml")
-        for key, value in params.items():
-            OmegaConf.update(cfg, key, value)
-        OmegaConf.save(cfg, dest / "params.yaml")
+        write_params(dest, params)
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "clone"]):
         run(cmd, cwd=dest, env=GIT_ENV)
     return dest

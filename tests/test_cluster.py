@@ -20,7 +20,17 @@ import yaml
 from ddpipe.launch.cluster import kubernetes
 from ddpipe.launch.cluster.queue import exp_ref
 from ddpipe.launch.torchrun import NODES_ENV, cluster_nodes
-from tests.conftest import GIT_ENV, VENV_BIN, free_port, run, same_weights, subprocess_env, wait_for_url, weights
+from tests.conftest import (
+    GIT_ENV,
+    VENV_BIN,
+    commit_params,
+    free_port,
+    run,
+    same_weights,
+    subprocess_env,
+    wait_for_url,
+    weights,
+)
 from tests.slurm_cluster import SlurmCluster, unavailable
 
 CLUSTER = "python -m ddpipe.cluster".split()
@@ -29,16 +39,6 @@ SMALL = {"train.batch_size_per_rank": 8, "distributed.nproc_per_node": 1, "distr
          "train.checkpoint_every_steps": 2, "train.export": "last", "mlflow.log_model": False,
          "mlflow.log_system_metrics": False, "cluster.cpus_per_node": 1, "cluster.time_limit": "30:00"}
 slurm_only = pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))
-
-
-def set_params(repo: Path, params: dict) -> None:
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.load(repo / "params.yaml")
-    for key, value in params.items():
-        OmegaConf.update(cfg, key, value)
-    OmegaConf.save(cfg, repo / "params.yaml")
-    run(["git", "commit", "-qam", "cluster params"], cwd=repo, env=GIT_ENV)
 
 
 def queue(repo: Path, name: str, *sets: str) -> None:
@@ -153,7 +153,7 @@ def cached_model(repo: Path, ref: str) -> Path:
 def test_a_queued_grid_runs_on_slurm_and_comes_back_as_dvc_experiments_and_one_mlflow_sweep(
         cluster: SlurmCluster, repro_clone: Path) -> None:
     repo = repro_clone
-    set_params(repo, SMALL)
+    commit_params(repo, SMALL, "cluster params")
     grid = {"g1": ("seed=1", "train.base_lr=0.003"), "g2": ("seed=1", "train.base_lr=0.01"),
             "g3": ("seed=2", "train.base_lr=0.003"), "g4": ("seed=2", "train.base_lr=0.01", "distributed.nnodes=2")}
     for name, sets in grid.items():
@@ -233,14 +233,13 @@ def test_a_search_on_slurm_runs_each_trial_as_a_job_of_its_own_resources_and_pru
     import optuna
 
     repo = repro_clone
-    set_params(repo, {**SMALL, "train.batch_size_per_rank": 64, "train.checkpoint_every_steps": 0})
-    params = yaml.safe_load((repo / "params.yaml").read_text())
-    params["search"].update(study="cs", trials=4, jobs=2, startup_trials=1, space={
-        "train.base_lr": "loguniform(1e-4, 1e-1)", "distributed.nnodes": "choice(1, 2)"}, first=[
-        {"train.base_lr": 0.003, "distributed.nnodes": 2}, {"train.base_lr": 0.01, "distributed.nnodes": 1},
-        {"train.base_lr": 1e-7, "distributed.nnodes": 1}])
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    run(["git", "commit", "-qam", "a search"], cwd=repo, env=GIT_ENV)
+    commit_params(repo, {
+        **SMALL, "train.batch_size_per_rank": 64, "train.checkpoint_every_steps": 0, "search.study": "cs",
+        "search.trials": 4, "search.jobs": 2, "search.startup_trials": 1,
+        "search.space": {"train.base_lr": "loguniform(1e-4, 1e-1)", "distributed.nnodes": "choice(1, 2)"},
+        "search.first": [{"train.base_lr": 0.003, "distributed.nnodes": 2},
+                         {"train.base_lr": 0.01, "distributed.nnodes": 1},
+                         {"train.base_lr": 1e-7, "distributed.nnodes": 1}]}, "a search")
     env = {"SLURM_CONF": str(cluster.conf), **GIT_ENV, "MLFLOW_TRACKING_URI": ""}
     out = run(["python", "-m", "ddpipe.search", "run", "--cluster"], cwd=repo, env=env, timeout=1800).stdout
     assert "slurm job" in out, out
@@ -356,7 +355,7 @@ def test_nodes_that_share_nothing_clone_pull_and_push_through_the_git_and_dvc_re
     url, key, home = ssh_remote
     repo = repro_clone
     env = {"SLURM_CONF": str(cluster.conf), **GIT_ENV, "HOME": str(home), "MLFLOW_TRACKING_URI": tracking_server}
-    set_params(repo, SMALL)
+    commit_params(repo, SMALL, "cluster params")
     run(["dvc", "remote", "add", "-d", "store", url], cwd=repo, env=env)
     run(["dvc", "remote", "modify", "store", "keyfile", str(key)], cwd=repo, env=env)  # the nodes' credentials
     run(["git", "commit", "-qam", "an ssh remote"], cwd=repo, env=env)

@@ -22,6 +22,7 @@ from tests.conftest import (
     CLONE_ENV,
     GIT_ENV,
     PARAMS,
+    commit_params,
     kill_all,
     none_left_within,
     prune_a_two_process_trial,
@@ -216,14 +217,13 @@ def test_a_study_of_dvc_experiments_prunes_continues_and_names_its_best(repro_cl
     from mlflow import MlflowClient
 
     clone = repro_clone
-    params = yaml.safe_load((clone / "params.yaml").read_text())
-    params["mlflow"]["log_model"] = False
-    params["search"].update(study="lr", trials=4, jobs=2, startup_trials=1, space={
-        "train.base_lr": "loguniform(1e-4, 1e-1)", "train.label_smoothing": "uniform(0.0, 0.2)"}, first=[
-        {"train.base_lr": 0.003, "train.label_smoothing": 0.1}, {"train.base_lr": 0.01, "train.label_smoothing": 0.0},
-        {"train.base_lr": 1e-7, "train.label_smoothing": 0.1}])
-    (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    run(["git", "commit", "-qam", "a search"], cwd=clone, env=GIT_ENV)
+    commit_params(clone, {
+        "mlflow.log_model": False, "search.study": "lr", "search.trials": 4, "search.jobs": 2,
+        "search.startup_trials": 1,
+        "search.space": {"train.base_lr": "loguniform(1e-4, 1e-1)", "train.label_smoothing": "uniform(0.0, 0.2)"},
+        "search.first": [{"train.base_lr": 0.003, "train.label_smoothing": 0.1},
+                         {"train.base_lr": 0.01, "train.label_smoothing": 0.0},
+                         {"train.base_lr": 1e-7, "train.label_smoothing": 0.1}]}, "a search")
     out = run(["python", "-m", "ddpipe.search", "run"], cwd=clone, env=CLONE_ENV, timeout=900).stdout
 
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(
@@ -297,15 +297,13 @@ def test_a_stopped_trial_and_a_killed_driver_resume_bit_equal_under_their_number
     from mlflow import MlflowClient
 
     clone = repro_clone
-    params = yaml.safe_load((clone / "params.yaml").read_text())
-    params["num_epochs"] = 3
-    params["mlflow"]["log_model"] = False
-    params["train"]["checkpoint_every_steps"] = 2  # a moment inside epoch 2 to stop at, however fast the host
-    params["distributed"]["threads_per_process"] = 1  # the same arithmetic whatever else runs on the host
-    params["search"].update(study="r", trials=2, jobs=1, space={"train.base_lr": "loguniform(1e-4, 1e-1)"},
-                            first=[{"train.base_lr": 0.003}, {"train.base_lr": 0.01}])
-    (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    run(["git", "commit", "-qam", "a search"], cwd=clone, env=GIT_ENV)
+    commit_params(clone, {
+        "num_epochs": 3, "mlflow.log_model": False,
+        "train.checkpoint_every_steps": 2,  # a moment inside epoch 2 to stop at, however fast the host
+        "distributed.threads_per_process": 1,  # the same arithmetic whatever else runs on the host
+        "search.study": "r", "search.trials": 2, "search.jobs": 1,
+        "search.space": {"train.base_lr": "loguniform(1e-4, 1e-1)"},
+        "search.first": [{"train.base_lr": 0.003}, {"train.base_lr": 0.01}]}, "a search")
     folder, log = clone / "search" / "r", clone / "driver.log"
     with open(log, "w") as out:
         driver = subprocess.Popen([sys.executable, "-m", "ddpipe.search", "run"], cwd=clone, stdout=out,
