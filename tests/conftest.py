@@ -197,6 +197,10 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base / "prepared"
 
 
+# the export stage on test-sized data: fewer timed runs, a small latency batch, fewer calibration images
+LIGHT_EXPORT = ("export.latency_runs=3", "export.latency_batch_sizes=[1,8]", "export.calibration_images=64")
+
+
 def args_for(tmp: Path, prepared: Path, *extra: str) -> list[str]:
     return [*tiny_overrides(tmp), f"paths.prepared={prepared}", "train.hflip=false", *extra]
 

@@ -14,10 +14,9 @@ import torch
 
 from ddpipe.config.load import load_config
 from ddpipe.config.schema import ConfigError, ModelConfig
-from tests.conftest import PARAMS, args_for, make_imagefolder, run
+from tests.conftest import LIGHT_EXPORT, PARAMS, args_for, make_imagefolder, run
 
 pytest.importorskip("onnxruntime")
-LIGHT = ["export.latency_runs=3", "export.latency_batch_sizes=[1,8]", "export.calibration_images=64"]
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +24,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> list[st
     """The default network trained for an epoch on the generated MNIST-format data, evaluated, registered as clf."""
     tmp = tmp_path_factory.mktemp("export")
     args = args_for(tmp, prepared, "num_epochs=1", "mlflow.registered_model_name=clf", "mlflow.experiment_name=exp",
-                    *LIGHT)
+                    *LIGHT_EXPORT)
     run(["python", "stages/train_worker.py", *args])
     run(["python", "stages/evaluate.py", *args])
     return args
@@ -71,6 +70,8 @@ def test_the_default_network_exports_onnx_and_int8_that_a_plain_client_scores_as
     assert version.tags["export_passed"] == "true" and float(version.tags["export_onnx_agreement"]) >= 0.999
     artifacts = {a.path for a in client.list_artifacts(version.run_id, "export")}
     assert artifacts == {"export/model.onnx", "export/model.int8.onnx"}
+    run = client.get_run(version.run_id).info  # the training's run keeps the end it had
+    assert run.status == "FINISHED" and run.end_time is not None
 
 
 def test_the_served_onnx_model_answers_a_raw_image_request_as_the_pytorch_one(trained: list[str]) -> None:
@@ -154,8 +155,12 @@ def test_the_champion_moves_only_to_a_version_whose_export_passed(trained: list[
     assert str(client.get_model_version_by_alias("clf", "champion").version) == str(second)
 
 
-def test_a_torchvision_network_with_its_own_stem_exports_and_scores(tmp_path: Path) -> None:
-    """resnet18 (torchvision's ImageNet stem) on a folder of RGB PNGs the test writes."""
+@pytest.mark.parametrize("eval_size", [None, 40])
+def test_a_torchvision_network_with_its_own_stem_exports_and_scores(tmp_path: Path, eval_size: int | None) -> None:
+    """resnet18 (torchvision's ImageNet stem) on a folder of 32 px RGB PNGs the test writes; with ``eval_size``, kept
+    encoded and evaluated at a FixRes size larger than the images (the saved model's size, which the graph takes)."""
+    import onnxruntime as ort
+
     from ddpipe.config.schema import DataConfig
     from ddpipe.data.prepare import prepare
     from ddpipe.data.store import load_meta
@@ -164,18 +169,115 @@ def test_a_torchvision_network_with_its_own_stem_exports_and_scores(tmp_path: Pa
     from ddpipe.models.saved import save_model
 
     folder = make_imagefolder(tmp_path / "imgs", per_class=12, size=32)
-    prepare(DataConfig(dataset="imagefolder", source_dir=str(folder)), 0, tmp_path / "raw", tmp_path / "prepared",
-            workers=1)
+    encoding = "encoded" if eval_size else "auto"  # FixRes sizes are the encoded images' (raw ones have one size)
+    prepare(DataConfig(dataset="imagefolder", source_dir=str(folder), encoding=encoding), 0, tmp_path / "raw",
+            tmp_path / "prepared", workers=1)
     meta = asdict(load_meta(tmp_path / "prepared"))
+    meta["image_size"] = [eval_size, eval_size] if eval_size else meta["image_size"]
     torch.manual_seed(0)
     network = build_model(ModelConfig(name="resnet18"), 3, 3)
     save_model(network.state_dict(), ModelConfig(name="resnet18"), meta, tmp_path / "model.pt")
     cfg = load_config(args_for(tmp_path, tmp_path / "prepared", "model.name=resnet18", "data.dataset=imagefolder",
-                               f"data.source_dir={folder}", "export.max_int8_accuracy_drop=1.0", *LIGHT),
+                               f"data.source_dir={folder}", "export.max_int8_accuracy_drop=1.0", *LIGHT_EXPORT),
                       params_file=PARAMS)
     m = export(cfg)["export"]
     assert m["onnx"]["agreement"] == 1.0 and m["num_samples"] == meta["sizes"]["test"]
     assert m["int8"]["size_mb"] < m["onnx"]["size_mb"] / 3
+    (graph_input,) = ort.InferenceSession(cfg.paths.onnx, providers=["CPUExecutionProvider"]).get_inputs()
+    assert graph_input.shape[1:] == [3, *meta["image_size"]]
+
+
+OWN_NET = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, in_channels: int = 1, num_classes: int = 10) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(in_channels, 8, 3, padding=1), nn.GELU(), nn.AdaptiveAvgPool2d(2))
+        self.head = nn.Linear(32, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(self.body(x), 1))
+"""
+
+
+@pytest.mark.parametrize("case", ["resnet_small", "timm", "own module", "fine-tuned", "ema"])
+def test_every_kind_of_network_we_train_exports_and_agrees(case: str, tmp_path: Path, prepared: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default network on a GPU or an AMX CPU (resnet_small), a timm network by name, a user's module
+    (module:Class), a fine-tuned torchvision network (its pretrained weights named but not needed to rebuild it) and
+    EMA weights, each trained briefly (fresh weights answer every image alike), exported, and scored against the
+    PyTorch model on the prepared test split. FixRes sizes: the torchvision test."""
+    from ddpipe.data.store import load_meta
+    from ddpipe.engine.ema import WeightAverage
+    from ddpipe.export.stage import export
+    from ddpipe.models.catalog import build_model
+    from ddpipe.models.saved import save_model
+
+    if case == "timm":
+        pytest.importorskip("timm")
+    (tmp_path / "mynets.py").write_text(OWN_NET)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = ModelConfig(**{"resnet_small": {"name": "resnet_small", "width": 8}, "timm": {"name": "resnet10t"},
+                           "own module": {"name": "mynets:Net"},
+                           "fine-tuned": {"name": "resnet18", "weights": "ResNet18_Weights.IMAGENET1K_V1"},
+                           "ema": {"name": "resnet_compact", "width": 8}}[case])
+    meta = asdict(load_meta(prepared))
+    torch.manual_seed(0)
+    network = build_model(model, meta["num_channels"], len(meta["classes"]))
+    average = WeightAverage(network, 0.9) if case == "ema" else None
+    _train_briefly(network, prepared, meta, average)
+    state = average.weights() if average else network.state_dict()
+    save_model(state, model, meta, tmp_path / "model.pt",
+               {"exported_epoch": 1, "exported_weights": "ema" if average else "raw"})
+    cfg = load_config(args_for(tmp_path, prepared, f"model.name={model.name}", "export.int8=false",
+                               "mlflow.log_model=false", *LIGHT_EXPORT), params_file=PARAMS)
+    m = export(cfg)["export"]
+    assert m["onnx"]["agreement"] >= 0.999 and m["num_samples"] == meta["sizes"]["test"], m["onnx"]
+    assert m["onnx"]["max_prob_diff"] < 1e-3
+    assert not Path(cfg.paths.onnx_int8).exists()
+    assert m["onnx"]["accuracy"] == m["pytorch"]["accuracy"] > 0.15  # trained: more than chance (0.10)
+
+
+def _train_briefly(network: torch.nn.Module, prepared: Path, meta: dict, average=None) -> None:  # noqa: ANN001
+    """A few optimizer steps on the prepared training images (and the weight average after each, when given)."""
+    from ddpipe.data.store import open_split
+
+    split = open_split(prepared, "train")
+    optimizer = torch.optim.AdamW(network.parameters(), lr=3e-3)
+    mean = torch.tensor(meta["mean"]).view(1, -1, 1, 1)
+    std = torch.tensor(meta["std"]).view(1, -1, 1, 1)
+    labels = torch.as_tensor(np.array(split.labels))
+    network.train()
+    for step in range(30):
+        idx = np.arange(step * 32, step * 32 + 32) % len(labels)
+        x = (torch.from_numpy(split.pixels(idx)).float() / 255 - mean) / std
+        loss = torch.nn.functional.cross_entropy(network(x), labels[idx])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if average is not None:
+            average.update(network)
+    network.eval()
+
+
+def test_global_max_pooling_is_exported_as_a_reduction_that_answers_bit_for_bit() -> None:
+    """resnet_small's and resnet_compact's AdaptiveMaxPool2d(1), which torch 2.11's exporter cannot translate,
+    replaced in a copy by a max over height and width: the same answers to the bit, the caller's network untouched."""
+    from ddpipe.export.graph import GlobalMaxPool, exportable
+    from ddpipe.models.catalog import build_model
+
+    for name in ("resnet_small", "resnet_compact"):
+        torch.manual_seed(0)
+        network = build_model(ModelConfig(name=name, width=8), 1, 10).eval()
+        copy = exportable(network)
+        assert any(isinstance(m, GlobalMaxPool) for m in copy.modules())
+        assert any(isinstance(m, torch.nn.AdaptiveMaxPool2d) for m in network.modules())
+        x = torch.randn(4, 1, 28, 28)
+        with torch.no_grad():
+            assert torch.equal(copy(x), network(x)), name
 
 
 @pytest.mark.parametrize("override, says", [

@@ -1,6 +1,6 @@
 """The exported graph: one input (a batch of raw uint8 images at the size the evaluate stage feeds the network,
 ``N x C x H x W``), the normalisation and the evaluation's test-time flips inside, the class probabilities out,
-the class names and the input's description in the model's metadata (``ddpipe.models.onnx_served.onnx_metadata``).
+the class names and the input's description in the model's metadata (``ddpipe.models.saved.onnx_metadata``).
 
 Exported with ``torch.onnx.export(dynamo=True)``; the batch dimension is declared dynamic and checked to have come
 out so (pytorch#157621: a dynamic batch exported as a fixed one). A network the exporter refuses fails with the
@@ -9,6 +9,7 @@ operator or layer it named.
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 from pathlib import Path
@@ -16,8 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ddpipe.models.onnx_served import INPUT_NAME, OUTPUT_NAME, onnx_metadata
-from ddpipe.models.saved import SavedModel
+from ddpipe.models.saved import INPUT_NAME, OUTPUT_NAME, SavedModel, onnx_metadata
 
 
 class ExportError(RuntimeError):
@@ -46,19 +46,41 @@ class ExportedClassifier(nn.Module):
         return torch.softmax((pair[0] + pair[1]) / 2, dim=1)
 
 
+class GlobalMaxPool(nn.Module):
+    """``nn.AdaptiveMaxPool2d(1)``'s forward as a reduction, which every exporter translates (ONNX ReduceMax); torch
+    2.11's dynamo exporter has no translation of ``aten.adaptive_max_pool2d`` itself, and resnet_small and
+    resnet_compact end with one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.amax(dim=(-2, -1), keepdim=True)
+
+
+def exportable(network: nn.Module) -> nn.Module:
+    """A copy of ``network`` with the layers the exporter may refuse replaced by ones that compute the same forward
+    (global max pooling); the weights, and the network the caller holds, unchanged."""
+    copied = copy.deepcopy(network)
+    for name, module in list(copied.named_modules()):
+        pooled_to_one = isinstance(module, nn.AdaptiveMaxPool2d) and module.output_size in (1, (1, 1)) and \
+            not module.return_indices
+        if pooled_to_one and name:
+            parent, _, child = name.rpartition(".")
+            setattr(copied.get_submodule(parent), child, GlobalMaxPool())
+    return copied
+
+
 def export_onnx(network: nn.Module, saved: SavedModel, path: Path, opset: int) -> None:
     """``network`` (the saved model's, on the CPU) as the graph ``path``; ExportError naming what the exporter refused,
     or saying that the batch did not come out dynamic."""
     import onnx
 
-    wrapped = ExportedClassifier(network, saved).eval()
+    wrapped = ExportedClassifier(exportable(network), saved).eval()
     example = torch.zeros(2, saved.num_channels, *saved.image_size, dtype=torch.uint8)  # 2: a 1 would be specialised
     try:
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 wrapped, (example,), dynamo=True, opset_version=opset, input_names=[INPUT_NAME],
-                output_names=[OUTPUT_NAME], dynamic_shapes={"images": {0: torch.export.Dim("batch")}},
+                output_names=[OUTPUT_NAME], dynamic_shapes={INPUT_NAME: {0: torch.export.Dim("batch")}},
                 verbose=False)
     except Exception as exc:  # torch.export's and the ONNX translator's errors: many kinds, one message here
         raise ExportError(refusal(saved.model.name, exc)) from exc

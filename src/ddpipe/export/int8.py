@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddpipe.models.onnx_served import INPUT_NAME
+from ddpipe.models.saved import INPUT_NAME
 
 CALIBRATION_BATCH = 32  # images per calibration run: the ranges are the same at any batch, memory is not
 

@@ -3,10 +3,10 @@
 The graph (``paths.onnx``, made by ``ddpipe.export``) takes a batch of raw uint8 images at the size the evaluate stage
 feeds the network (``N x C x H x W``, the batch dynamic) and does the rest inside: the training's normalisation, the
 network, the evaluation's left-right flips; its first output is the class probabilities. What it needs to be called
-right is in its metadata (:func:`onnx_metadata`), readable by any ONNX Runtime client. This module adds what a bare
-ONNX flavor cannot: requests of any size and layout, brought to that input exactly as ``ddpipe.models.served``
-brings them (:class:`~ddpipe.models.served.ImageInput`), so the served ONNX model takes the same requests as the
-PyTorch one and answers in the same columns.
+right is in its metadata (:func:`ddpipe.models.saved.onnx_metadata`), readable by any ONNX Runtime client. This
+module adds what a bare ONNX flavor cannot: requests of any size and layout, brought to that input exactly as
+``ddpipe.models.served`` brings them (:class:`~ddpipe.models.served.ImageInput`), so the served ONNX model takes the
+same requests as the PyTorch one and answers in the same columns.
 """
 
 from __future__ import annotations
@@ -22,24 +22,8 @@ import numpy as np
 import pandas as pd
 from mlflow.pyfunc import PythonModelContext
 
-from ddpipe.models.saved import SavedModel
+from ddpipe.models.saved import INPUT_NAME, OUTPUT_NAME
 from ddpipe.models.served import ImageInput, prediction_frame, prediction_schema
-
-INPUT_NAME, OUTPUT_NAME = "images", "probabilities"
-ONNX_FORMAT = 1  # the metadata's layout, written as ddpipe.format
-
-
-def onnx_metadata(saved: SavedModel) -> dict[str, str]:
-    """The graph's metadata (ONNX metadata_props, strings): class names in output order and how an image becomes
-    its input."""
-    return {"ddpipe.format": str(ONNX_FORMAT), "classes": json.dumps(saved.classes),
-            "input": f"{INPUT_NAME}: uint8 N x {saved.num_channels} x {saved.image_size[0]} x {saved.image_size[1]} "
-                     "raw pixels; normalisation and test-time flips are inside the graph",
-            "output": f"{OUTPUT_NAME}: N x {len(saved.classes)} class probabilities (classes' order)",
-            "num_channels": str(saved.num_channels), "image_size": json.dumps(list(saved.image_size)),
-            "encoding": saved.encoding, "eval_crop_ratio": repr(saved.eval_crop_ratio),
-            "exported_epoch": json.dumps(saved.exported_epoch), "exported_weights": saved.exported_weights,
-            "network": saved.model.name}
 
 
 def ort_session(path: str | Path, threads: int | None = None) -> Any:

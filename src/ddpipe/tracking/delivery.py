@@ -229,11 +229,14 @@ def _export(client: Any, journal: Any, run_id: str, rec: dict) -> None:
     if rec.get("graphs"):
         for path in rec["graphs"].values():
             client.log_artifact(run_id, path, "export")
+        ended = client.get_run(run_id).info  # start_run marks an ended run RUNNING again: put its end back after
         active = mlflow.start_run(run_id=run_id, log_system_metrics=False)
         try:
             uris["onnx_model"] = log_onnx_pyfunc(mlflow, "model_onnx", Path(rec["graphs"]["onnx"]), None).model_uri
         finally:
             fluent._active_run_stack.get().remove(active)  # not end_run: the run keeps its status
+            if ended.status != "RUNNING":
+                client.set_terminated(run_id, ended.status, end_time=ended.end_time)
     if rec.get("model_name"):
         record_export(client, run_id, rec, uris)
 
