@@ -85,12 +85,14 @@ mlflow.models.set_model(MlflowOnnxClassifier())
 '''
 
 
-def log_onnx_pyfunc(mlflow: Any, name: str, graph: Path, input_example: Any) -> Any:
+def log_onnx_pyfunc(mlflow: Any, name: str, graph: Path, input_example: Any = None) -> Any:
     """The graph ``graph`` into the active run as the pyfunc model ``name`` (:class:`MlflowOnnxClassifier`, logged as
-    code, no pickle); its ModelInfo."""
+    code, no pickle); its ModelInfo. ``input_example``: a request (default: one black image at the graph's size)."""
     import onnxruntime
 
     classifier = OnnxClassifier(graph)
+    if input_example is None:
+        input_example = np.zeros((1, classifier.num_channels, *classifier.image_size), dtype=np.uint8)
     with tempfile.TemporaryDirectory() as tmp:
         code = Path(tmp) / MODEL_CODE_FILE
         code.write_text(MODEL_CODE)

@@ -232,7 +232,7 @@ def _export(client: Any, journal: Any, run_id: str, rec: dict) -> None:
         ended = client.get_run(run_id).info  # start_run marks an ended run RUNNING again: put its end back after
         active = mlflow.start_run(run_id=run_id, log_system_metrics=False)
         try:
-            uris["onnx_model"] = log_onnx_pyfunc(mlflow, "model_onnx", Path(rec["graphs"]["onnx"]), None).model_uri
+            uris["onnx_model"] = log_onnx_pyfunc(mlflow, "model_onnx", Path(rec["graphs"]["onnx"])).model_uri
         finally:
             fluent._active_run_stack.get().remove(active)  # not end_run: the run keeps its status
             if ended.status != "RUNNING":
