@@ -48,7 +48,8 @@ def tiny_overrides(tmp: Path) -> list[str]:
         f"paths.train_metrics={tmp}/train.json", f"paths.history={tmp}/history.csv",
         f"paths.test_metrics={tmp}/test.json", f"paths.confusion={tmp}/confusion.csv",
         f"paths.per_class={tmp}/per_class.csv",
-        f"paths.reports={tmp}/reports", "train.progress_bar=false", "num_epochs=2",
+        f"paths.reports={tmp}/reports", f"paths.onnx={tmp}/model.onnx", f"paths.onnx_int8={tmp}/model.int8.onnx",
+        f"paths.export_metrics={tmp}/export.json", "train.progress_bar=false", "num_epochs=2",
         f"mlflow.tracking_uri=sqlite:///{tmp}/mlflow.db", f"mlflow.outbox={tmp}/outbox",
         "model.width=8", "train.batch_size_per_rank=32", "train.eval_batch_size_per_rank=100",
         # tests compare trajectories (world sizes, threads, resumes) by the weights they end with
@@ -194,6 +195,10 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     finally:
         verify.CHECKSUMS["mnist"] = saved
     return base / "prepared"
+
+
+# the export stage on test-sized data: fewer timed runs, a small latency batch, fewer calibration images
+LIGHT_EXPORT = ("export.latency_runs=3", "export.latency_batch_sizes=[1,8]", "export.calibration_images=64")
 
 
 def args_for(tmp: Path, prepared: Path, *extra: str) -> list[str]:

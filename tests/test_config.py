@@ -250,7 +250,7 @@ def test_trajectory_leaves_out_exactly_the_keys_a_run_may_resume_across() -> Non
     """Checkpoint fingerprints hash trajectory(cfg): its keys, values and types must not drift."""
     cfg = load_config(["train.base_lr=1", "distributed.nproc_per_node=2"], params_file=PARAMS)
     flat = flatten(cfg)
-    resumable = {k for k in flat if k.startswith(("paths.", "mlflow.", "cluster.", "search."))} | {
+    resumable = {k for k in flat if k.startswith(("paths.", "mlflow.", "cluster.", "search.", "export."))} | {
         "distributed.max_restarts", "distributed.timeout_s", "distributed.nproc_per_node", "distributed.nnodes",
         "distributed.rdzv_endpoint", "distributed.rdzv_id", "distributed.shutdown_timeout_s",
         "distributed.shared_memory", "train.progress_bar", "train.checkpoint_every_steps", "train.keep_checkpoints",

@@ -76,6 +76,29 @@ def test_a_model_trained_on_the_gpu_loads_on_the_cpu_and_answers_the_same(tiny_c
     assert torch.equal(on_gpu.argmax(1), on_cpu.argmax(1))
 
 
+def test_a_model_trained_on_the_gpu_in_bf16_exports_an_onnx_graph_that_answers_as_it_does(tiny_cfg,
+                                                                                          prepared: Path) -> None:
+    """The export stage's graph (``ddpipe.export.graph``) of a bf16 GPU training, run by ONNX Runtime on the raw uint8
+    test images: the classes and probabilities of the saved model on the CPU."""
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from ddpipe.engine.loop import train
+    from ddpipe.export.graph import ExportedClassifier, export_onnx
+    from ddpipe.launch.torchrun import this_device
+
+    cfg = _cfg(tiny_cfg, prepared, "num_epochs=1", "train.precision=bf16")
+    train(resolve(cfg, this_device()))
+    model, saved = load_model(cfg.paths.model)
+    graph = Path(cfg.paths.model).with_suffix(".onnx")
+    export_onnx(model, saved, graph, 18)
+    images = open_split(prepared, "test").pixels(range(200))
+    probs = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"]).run(None, {"images": images})[0]
+    with torch.no_grad():
+        reference = ExportedClassifier(model, saved)(torch.from_numpy(images)).numpy()
+    assert probs.shape == reference.shape and (probs.argmax(1) == reference.argmax(1)).all()
+    assert abs(probs - reference).max() < 1e-4
+
+
 def test_augmentation_on_the_gpu_is_the_cpu_augmentation(prepared: Path) -> None:
     """Crops and flips are keyed by integer hashes that CUDA and the CPU compute alike: the same
     pixels on either device, so a run's augmentation does not depend on where it runs."""

@@ -70,7 +70,7 @@ def _all_modules() -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("stage", ["fetch", "prepare", "train", "evaluate"])
+@pytest.mark.parametrize("stage", ["fetch", "prepare", "train", "evaluate", "export"])
 def test_each_stage_depends_on_exactly_the_library_modules_it_imports(stage: str) -> None:
     spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][stage]
     cmd = " ".join(spec["cmd"].split())

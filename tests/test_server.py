@@ -26,6 +26,7 @@ from ddpipe.config.schema import ConfigError
 from ddpipe.data.store import open_split
 from ddpipe.search.space import Plan, make_plan
 from tests.conftest import (
+    LIGHT_EXPORT,
     PARAMS,
     ROOT,
     VENV_BIN,
@@ -231,6 +232,13 @@ def test_a_sweep_of_four_at_once_two_on_two_nodes_with_their_evaluations(server:
                               text=True) for d in dirs]
     outs = [p.communicate(timeout=600)[0] for p in evals]
     assert all(p.returncode == 0 for p in evals), "\n".join(o[-3000:] for o in outs)
+    exports = [subprocess.Popen(["python", "stages/export.py", *args_for(d, prepared, "mlflow.tracking_uri=null",
+                                                                         "mlflow.registered_model_name=team-classifier",
+                                                                         *LIGHT_EXPORT)],
+                                cwd=ROOT, env=subprocess_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True) for d in dirs]  # the alias moves here, once a version's exports passed
+    outs += [p.communicate(timeout=600)[0] for p in exports]
+    assert all(p.returncode == 0 for p in exports), "\n".join(o[-3000:] for o in outs)
     text = "\n".join(outs)
     assert "database is locked" not in text and WRITER_PW not in text
     client = _client(server, "writer", WRITER_PW)
@@ -247,6 +255,7 @@ def test_a_sweep_of_four_at_once_two_on_two_nodes_with_their_evaluations(server:
         assert nodes == ({"node0", "node1"} if i < 2 else {"node0"}), nodes
     versions = client.search_model_versions("name = 'team-classifier'")
     assert sorted(v.run_id for v in versions) == sorted(ids)
+    assert all(v.tags["export_passed"] == "true" for v in versions)
     best = max(versions, key=lambda v: float(v.tags["test_accuracy"]))
     holder = client.get_model_version_by_alias("team-classifier", "champion")
     assert float(holder.tags["test_accuracy"]) == float(best.tags["test_accuracy"])

@@ -16,6 +16,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models", "distributed"),  # networks and the served classifier (no process group); ranks' plumbing (no loop)
     ("tracking",),  # the MLflow run, the outbox and its delivery, the store, champion, system metrics, sweeps
     ("engine",),  # the resolved run, the network's assembly, the loop, checkpoints, the evaluation
+    ("export",),  # the export stage: ONNX and INT8 graphs checked against the trained model before they count
     ("launch",),  # the torchrun command, what each rank runs, the cluster
     ("search",),  # the search over experiments: Optuna asks, each trial a DVC experiment (python -m ddpipe.search)
 )

@@ -3,6 +3,7 @@
 import re
 from pathlib import Path
 
+from ddpipe.config.export import check_export
 from ddpipe.config.keys import FIELDS, flatten
 from ddpipe.config.rules import accepted, accepts, not_accepted
 from ddpipe.config.schema import TIME_LIMIT, Config, ConfigError
@@ -24,6 +25,7 @@ def validate(cfg: Config, set_in: dict[str, str] | None = None) -> None:
         raise not_accepted("data.classes", classes, accepted(FIELDS["data.classes"]) + " (distinct)",
                            set_in.get("data.classes"))
     _check_model(cfg, set_in)
+    check_export(cfg.export, set_in)
     uri = cfg.mlflow.tracking_uri or ""
     if "@" in uri.partition("://")[2].split("/", 1)[0]:  # never a password in params.yaml, dvc.lock or a run
         raise ConfigError("mlflow.tracking_uri holds credentials (user:password@host); not accepted: give the "

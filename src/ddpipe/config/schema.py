@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ddpipe.config.export import ExportConfig
+
 # ConfigError is the schema's error: modules that check values import it from here
 from ddpipe.config.param import ConfigError, param  # noqa: F401
 from ddpipe.config.search import SearchConfig
@@ -294,8 +296,8 @@ class MlflowConfig:
         True, "MLflow's system metrics (CPU, memory, GPU) every 10 s: rank 0's node into a local store, every "
         "node into a tracking server.")
     champion_alias: Optional[str] = param(
-        "champion", "With registered_model_name: the evaluate stage moves this alias to the new version only when "
-        "its test accuracy beats the current holder's on the same test split; null: no alias.")
+        "champion", "With registered_model_name: the export stage moves this alias to the new version only when its "
+        "exports passed their check and its test accuracy beats the holder's on the same test split; null: no alias.")
     outbox: str = param(
         "mlflow-outbox", "Where a run's MLflow records are kept until the store has them (relative: under the repo "
         "root); an unreachable server loses nothing: python -m ddpipe.outbox deliver.")
@@ -365,6 +367,9 @@ class PathsConfig:
     per_class: str = param("metrics/per_class.csv", "Test-split precision, recall and F1 per class (DVC plots).")
     confusion: str = param("metrics/confusion.csv", "Test predictions for DVC's confusion plot.")
     reports: str = param("reports", "Evaluate stage images: confusion matrix, misclassified samples.")
+    onnx: str = param("models/model.onnx", "Export stage: the fp32 ONNX graph (uint8 images in, probabilities out).")
+    onnx_int8: str = param("models/model.int8.onnx", "Export stage: its static INT8 copy (export.int8).")
+    export_metrics: str = param("metrics/export.json", "Export stage: each format's check and latency (DVC metrics).")
     pretrained: str = param(
         "pretrained", "Where local weights files lie (model.weights names one): a dependency of the train stage, so "
         "DVC re-trains when a file there changes. The default, the repository's pretrained/, exists in every clone.")
@@ -381,6 +386,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    export: ExportConfig = field(default_factory=ExportConfig, metadata={"trajectory": False})
     # Where files go and how runs are tracked never change the weights: none of these keys shapes the trajectory.
     mlflow: MlflowConfig = field(default_factory=MlflowConfig, metadata={"trajectory": False})
     paths: PathsConfig = field(default_factory=PathsConfig, metadata={"trajectory": False})

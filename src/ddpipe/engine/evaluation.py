@@ -4,7 +4,8 @@ Writes ``paths.test_metrics`` (accuracy, macro-F1, loss: the DVC metrics ``dvc e
 ``paths.per_class`` (precision, recall and F1 per class: a DVC plot, out of the metrics table),
 ``paths.confusion`` (one row per test image, for DVC's confusion template), and in
 ``paths.reports`` a confusion-matrix PNG and a grid of misclassified images; all of it is logged to
-the MLflow run the train stage recorded in ``paths.run_info``.
+the MLflow run the train stage recorded in ``paths.run_info``, and the registered version gets its test
+accuracy (the export stage, after it, moves the champion alias).
 """
 
 from __future__ import annotations
@@ -134,8 +135,8 @@ def _log_to_run(cfg: Config, test: dict, per_class: dict, reports: Path) -> None
     tracker.log_artifact(cfg.paths.per_class, "evaluation")
     for png in sorted(reports.glob("*.png")):
         tracker.log_artifact(png, "evaluation")
-    if cfg.mlflow.registered_model_name and cfg.mlflow.log_model:
-        tracker.log_champion(model_name=cfg.mlflow.registered_model_name, alias=cfg.mlflow.champion_alias,
+    if cfg.mlflow.registered_model_name and cfg.mlflow.log_model:  # the alias is the export stage's to move
+        tracker.log_champion(model_name=cfg.mlflow.registered_model_name, alias=None,
                              test_accuracy=test["accuracy"], split=test_split_digest(cfg.paths.prepared))
     tracker.close()  # delivered now, or said once where the records wait
 

@@ -4,10 +4,13 @@ class names, loadable with ``torch.load(weights_only=True)``.
 ``build_model(cfg, num_channels, num_classes)`` is what rebuilds it, so the file records exactly these three
 inputs (``model.name``, ``model.kwargs``, ``model.width``; a ``module:Class`` network is imported again).
 The file records its format (``format_version``, :data:`MODEL_FORMAT`), read before anything else in it.
+What an exported graph of it takes, gives and says of itself (its input and output names, :func:`onnx_metadata`) is
+here too, beside the fields it comes from: ``ddpipe.export`` writes it, ``ddpipe.models.onnx_served`` reads it.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -112,3 +115,21 @@ def load_model(path: str | Path) -> tuple[nn.Module, SavedModel]:
                 f"named {RENAMED[cfg.name]!r}: retrain with model.name={RENAMED[cfg.name]}") from exc
         raise
     return model.eval(), saved
+
+
+# The exported graph's contract (ddpipe.export writes it, ddpipe.models.onnx_served and any client read it)
+INPUT_NAME, OUTPUT_NAME = "images", "probabilities"
+ONNX_FORMAT = 1  # the metadata's layout, written as ddpipe.format
+
+
+def onnx_metadata(saved: SavedModel) -> dict[str, str]:
+    """The graph's metadata (ONNX metadata_props, strings): class names in output order and how an image becomes
+    its input."""
+    return {"ddpipe.format": str(ONNX_FORMAT), "classes": json.dumps(saved.classes),
+            "input": f"{INPUT_NAME}: uint8 N x {saved.num_channels} x {saved.image_size[0]} x {saved.image_size[1]} "
+                     "raw pixels; normalisation and test-time flips are inside the graph",
+            "output": f"{OUTPUT_NAME}: N x {len(saved.classes)} class probabilities (classes' order)",
+            "num_channels": str(saved.num_channels), "image_size": json.dumps(list(saved.image_size)),
+            "encoding": saved.encoding, "eval_crop_ratio": repr(saved.eval_crop_ratio),
+            "exported_epoch": json.dumps(saved.exported_epoch), "exported_weights": saved.exported_weights,
+            "network": saved.model.name}

@@ -39,35 +39,13 @@ from ddpipe.models.nets import predict_logits
 from ddpipe.models.saved import SavedModel, load_model
 
 
-class ImageClassifier:
-    """A saved model (``paths.model``) with its normalisation and class names, ready to predict."""
+class ImageInput:
+    """A client's images as a model takes them (see the module doc): what the PyTorch classifier and the exported
+    ONNX one (``ddpipe.models.onnx_served``) share, so both take the same requests."""
 
-    def __init__(self, model: torch.nn.Module, saved: SavedModel, device: torch.device | None = None) -> None:
-        self.device = device or torch.device("cpu")
-        self.model = model.to(self.device).eval()
-        self.classes: list[str] = saved.classes
-        self.num_channels = saved.num_channels
-        self.image_size = tuple(saved.image_size)
-        self.exported_epoch = saved.exported_epoch
-        self.flips = saved.model.eval_flips
-        self.encoding = saved.encoding
-        self.eval_crop = EvalCrop(self.image_size[0], saved.eval_crop_ratio)  # encoded: validation's very crop
-        # crop padding 0, no flips: evaluation's transform, never the training augmentation
-        self.normalise = BatchTransform(saved.mean, saved.std, 0, False, 0, self.device, False)
-
-    @classmethod
-    def load(cls, path: str | Path, device: torch.device | None = None) -> ImageClassifier:
-        model, saved = load_model(path)
-        return cls(model, saved, device)
-
-    @torch.no_grad()
-    def logits(self, images: torch.Tensor) -> torch.Tensor:
-        """fp32 logits ``[N, classes]`` (on the CPU) for a uint8 ``N x C x H x W`` batch at the model's size."""
-        # Plain NCHW strides whatever the caller's view: a 1-channel view with an odd channel stride
-        # passes for channels_last, and the convolutions then take other kernels (other last bits).
-        images = images.to(self.device).clone(memory_format=torch.contiguous_format)
-        x = self.normalise(images, torch.empty(0), None)
-        return predict_logits(self.model, x, self.flips).cpu()
+    def __init__(self, num_channels: int, image_size: tuple[int, int], encoding: str, eval_crop_ratio: float) -> None:
+        self.num_channels, self.image_size, self.encoding = num_channels, tuple(image_size), encoding
+        self.eval_crop = EvalCrop(self.image_size[0], eval_crop_ratio)  # encoded: validation's very crop
 
     def to_batch(self, images: Any) -> torch.Tensor:
         """A client's images as the uint8 ``N x C x H x W`` batch the model takes (see the module doc)."""
@@ -116,6 +94,34 @@ class ImageClassifier:
                                     align_corners=False)
             batch = resized.round_().clamp_(0, 255).to(torch.uint8)
         return batch
+
+class ImageClassifier(ImageInput):
+    """A saved model (``paths.model``) with its normalisation and class names, ready to predict."""
+
+    def __init__(self, model: torch.nn.Module, saved: SavedModel, device: torch.device | None = None) -> None:
+        super().__init__(saved.num_channels, tuple(saved.image_size), saved.encoding, saved.eval_crop_ratio)
+        self.device = device or torch.device("cpu")
+        self.model = model.to(self.device).eval()
+        self.saved = saved
+        self.classes: list[str] = saved.classes
+        self.exported_epoch = saved.exported_epoch
+        self.flips = saved.model.eval_flips
+        # crop padding 0, no flips: evaluation's transform, never the training augmentation
+        self.normalise = BatchTransform(saved.mean, saved.std, 0, False, 0, self.device, False)
+
+    @classmethod
+    def load(cls, path: str | Path, device: torch.device | None = None) -> ImageClassifier:
+        model, saved = load_model(path)
+        return cls(model, saved, device)
+
+    @torch.no_grad()
+    def logits(self, images: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[N, classes]`` (on the CPU) for a uint8 ``N x C x H x W`` batch at the model's size."""
+        # Plain NCHW strides whatever the caller's view: a 1-channel view with an odd channel stride
+        # passes for channels_last, and the convolutions then take other kernels (other last bits).
+        images = images.to(self.device).clone(memory_format=torch.contiguous_format)
+        x = self.normalise(images, torch.empty(0), None)
+        return predict_logits(self.model, x, self.flips).cpu()
 
     def predict(self, images: Any, batch_size: int = 1000) -> dict[str, Any]:
         """``class_index`` and ``label`` (argmax of the logits), ``probabilities`` ``[N, classes]`` (softmax)."""

@@ -1,11 +1,13 @@
 """Registered models by alias (MLflow's successor to registry stages): each version carries the test accuracy the
-evaluate stage measured and the digest of the test split it measured on; an alias (``mlflow.champion_alias``,
-e.g. ``champion``) moves to a new version only when it beats the current holder on the same test split.
+evaluate stage measured and the digest of the test split it measured on, then whether its exports passed their check
+(the export stage); an alias (``mlflow.champion_alias``, e.g. ``champion``) moves to a version only when its exports
+passed and it beats the current holder on the same test split.
 
     mlflow models serve -m models:/NAME@champion --env-manager local     # with the server's address and credentials
 
 The evaluate stage computes the digest and the accuracy (:func:`test_split_digest`), and its outbox record is
-delivered by :func:`record_and_promote`, which says in the log what it did and why.
+delivered by :func:`record_and_promote`; the export stage's by :func:`record_export`, which decides; each says in
+the log what it did and why.
 """
 
 from __future__ import annotations
@@ -40,18 +42,50 @@ def record_and_promote(client: Any, run_id: str, rec: dict) -> None:
     Each evaluate stage tags first and decides second, under a lock on this host, so evaluate stages at once
     converge on the best version whatever their order. Prints what it did."""
     name, alias, accuracy, split = rec["model_name"], rec.get("alias"), float(rec["test_accuracy"]), rec["split"]
-    versions = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
-    if not versions:
-        print(f"MLflow: no version of registered model {name!r} comes from run {run_id}; test accuracy not "
-              "recorded on the registry", flush=True)
+    version = _version_of(client, name, run_id, "test accuracy")
+    if version is None:
         return
-    version = str(max(int(v.version) for v in versions))
     client.set_model_version_tag(name, version, "test_accuracy", f"{accuracy:.6f}")
     client.set_model_version_tag(name, version, "test_split", split)
     if not alias:
         return
     with named_host_lock("alias", client.tracking_uri, name, alias):
         _promote(client, name, alias, version, accuracy, split)
+
+
+def _version_of(client: Any, name: str, run_id: str, what: str) -> str | None:
+    """The newest version of ``name`` registered from ``run_id``; None, said, when there is none."""
+    versions = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+    if not versions:
+        print(f"MLflow: no version of registered model {name!r} comes from run {run_id}; {what} not recorded on the "
+              "registry", flush=True)
+        return None
+    return str(max(int(v.version) for v in versions))
+
+
+def record_export(client: Any, run_id: str, rec: dict, uris: dict[str, str]) -> None:
+    """Tag the version registered from ``run_id`` with its exports' check (``export_passed`` and each format's
+    figures) and where they were logged (``uris``); then, only if they passed, move ``rec['alias']`` as
+    :func:`record_and_promote` would. A version whose exports failed never takes the alias. Prints what it did."""
+    name, alias, passed = rec["model_name"], rec.get("alias"), bool(rec["passed"])
+    version = _version_of(client, name, run_id, "the export's check")
+    if version is None:
+        return
+    client.set_model_version_tag(name, version, "export_passed", str(passed).lower())
+    for key, value in {**rec.get("figures", {}), **uris}.items():
+        client.set_model_version_tag(name, version, f"export_{key}", str(value))
+    if not passed:
+        print(f"MLflow: version {version} of {name!r} keeps no alias: its export failed its check ({rec['why']})",
+              flush=True)
+        return
+    tags = client.get_model_version(name, version).tags
+    if not alias or "test_accuracy" not in tags:
+        if alias:
+            print(f"MLflow: {name}@{alias} not moved: version {version} has no test accuracy (run the evaluate stage)",
+                  flush=True)
+        return
+    with named_host_lock("alias", client.tracking_uri, name, alias):
+        _promote(client, name, alias, version, float(tags["test_accuracy"]), tags["test_split"])
 
 
 def _promote(client: Any, name: str, alias: str, version: str, accuracy: float, split: str) -> None:
@@ -65,8 +99,13 @@ def _promote(client: Any, name: str, alias: str, version: str, accuracy: float, 
               f"Move it by hand if wanted: MlflowClient().set_registered_model_alias({name!r}, {alias!r}, "
               f"{version!r})", flush=True)
         return
-    measured = [v for v in client.search_model_versions(f"name = '{name}'")
-                if v.tags.get("test_split") == split and "test_accuracy" in v.tags]
+    measured = [v for v in client.search_model_versions(f"name = '{name}'")  # only those whose exports passed
+                if v.tags.get("test_split") == split and "test_accuracy" in v.tags and v.tags.get("export_passed") ==
+                "true"]
+    if not measured:
+        print(f"MLflow: {name}@{alias} not moved: no version measured on this test split has passed its export",
+              flush=True)
+        return
     best = max(measured, key=lambda v: (float(v.tags["test_accuracy"]), -int(v.version)))
     best_acc = float(best.tags["test_accuracy"])
     if holder is None:

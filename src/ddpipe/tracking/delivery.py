@@ -215,7 +215,34 @@ def _champion(client: Any, journal: Any, run_id: str, rec: dict) -> None:
     record_and_promote(client, run_id, rec)
 
 
+def _export(client: Any, journal: Any, run_id: str, rec: dict) -> None:
+    """The export stage's record: graphs that passed their check into the run (files under ``export/``, and the fp32
+    one as the pyfunc model ``model_onnx`` that runs ONNX Runtime), then the registered version's tags and the alias
+    (``ddpipe.tracking.champion.record_export``)."""
+    import mlflow
+    from mlflow.tracking import fluent
+
+    from ddpipe.models.onnx_served import log_onnx_pyfunc
+    from ddpipe.tracking.champion import record_export
+
+    uris = {}
+    if rec.get("graphs"):
+        for path in rec["graphs"].values():
+            client.log_artifact(run_id, path, "export")
+        ended = client.get_run(run_id).info  # start_run marks an ended run RUNNING again: put its end back after
+        active = mlflow.start_run(run_id=run_id, log_system_metrics=False)
+        try:
+            uris["onnx_model"] = log_onnx_pyfunc(mlflow, "model_onnx", Path(rec["graphs"]["onnx"])).model_uri
+        finally:
+            fluent._active_run_stack.get().remove(active)  # not end_run: the run keeps its status
+            if ended.status != "RUNNING":
+                client.set_terminated(run_id, ended.status, end_time=ended.end_time)
+    if rec.get("model_name"):
+        record_export(client, run_id, rec, uris)
+
+
 SENDERS: dict[str, Callable[[Any, Any, Any, dict], None]] = {
     "create": _create, "params": _params, "tags": _tags, "dataset": _dataset, "artifact": _artifact,
     "model": _model, "reopen": _reopen, "end": _end, "close_orphan": _close_orphan, "champion": _champion,
+    "export": _export,
 }

@@ -244,7 +244,6 @@ class MlflowTracker(Tracker):
         if not (self.enabled and self.journal is not None):
             return
         import numpy as np
-
         example = Path(self.journal.keep_file(model_path)).with_name("input_example.npy")
         np.save(example, np.asarray(input_example))
         self._append("model", model=str(example.with_name(Path(model_path).name)), example=str(example),
@@ -288,10 +287,11 @@ class RunLogger(MlflowTracker):
         self.run_id = run_id
         self._open(run_id)
 
-    def log_champion(self, **fields: Any) -> None:
-        """The registered version of this run: its test result, and the alias if it beats the holder's
-        (``ddpipe.tracking.champion``)."""
-        self._append("champion", **fields)
+    def log_champion(self, op: str = "champion", **fields: Any) -> None:
+        """For this run's registered version (``ddpipe.tracking.champion``): a ``champion`` or ``export`` record."""
+        if self.enabled and self.journal is not None and fields.get("graphs"):
+            fields["graphs"] = {name: self.journal.keep_file(path) for name, path in fields["graphs"].items()}
+        self._append(op, **fields)
 
 
 def make_tracker(cfg: MlflowConfig, info: DistInfo) -> Tracker:

@@ -1,0 +1,106 @@
+"""The exported ONNX graph as a client calls it: ONNX Runtime behind the served model's very requests and answers.
+
+The graph (``paths.onnx``, made by ``ddpipe.export``) takes a batch of raw uint8 images at the size the evaluate stage
+feeds the network (``N x C x H x W``, the batch dynamic) and does the rest inside: the training's normalisation, the
+network, the evaluation's left-right flips; its first output is the class probabilities. What it needs to be called
+right is in its metadata (:func:`ddpipe.models.saved.onnx_metadata`), readable by any ONNX Runtime client. This
+module adds what a bare ONNX flavor cannot: requests of any size and layout, brought to that input exactly as
+``ddpipe.models.served`` brings them (:class:`~ddpipe.models.served.ImageInput`), so the served ONNX model takes the
+same requests as the PyTorch one and answers in the same columns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import mlflow.pyfunc
+import numpy as np
+import pandas as pd
+from mlflow.pyfunc import PythonModelContext
+
+from ddpipe.models.saved import INPUT_NAME, OUTPUT_NAME
+from ddpipe.models.served import ImageInput, prediction_frame, prediction_schema
+
+
+def ort_session(path: str | Path, threads: int | None = None) -> Any:
+    """An ONNX Runtime CPU session of ``path`` (``threads``: intra-op threads; None: ONNX Runtime's choice)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+class OnnxClassifier(ImageInput):
+    """An exported graph in ONNX Runtime, with the input handling of the PyTorch classifier."""
+
+    def __init__(self, path: str | Path, threads: int | None = None) -> None:
+        self.session = ort_session(path, threads)
+        meta = self.session.get_modelmeta().custom_metadata_map
+        if "classes" not in meta:
+            raise ValueError(f"{path}: no ddpipe metadata (classes, image_size): not an export of ddpipe's")
+        self.classes: list[str] = json.loads(meta["classes"])
+        super().__init__(int(meta["num_channels"]), tuple(json.loads(meta["image_size"])), meta["encoding"],
+                         float(meta["eval_crop_ratio"]))
+        epoch = json.loads(meta.get("exported_epoch", "null"))
+        self.exported_epoch = epoch
+
+    def probabilities(self, batch: np.ndarray) -> np.ndarray:
+        """``[N, classes]`` probabilities of a uint8 ``N x C x H x W`` batch at the graph's size."""
+        return self.session.run([OUTPUT_NAME], {INPUT_NAME: np.ascontiguousarray(batch, dtype=np.uint8)})[0]
+
+    def predict(self, images: Any, batch_size: int = 256) -> dict[str, Any]:
+        """As :meth:`ddpipe.models.served.ImageClassifier.predict`: ``class_index``, ``label``, ``probabilities``."""
+        batch = self.to_batch(images).numpy()
+        probs = np.concatenate([self.probabilities(batch[i:i + batch_size]) for i in range(0, len(batch), batch_size)])
+        index = probs.argmax(1)
+        return {"class_index": index, "label": [self.classes[i] for i in index.tolist()],
+                "probabilities": probs.astype(np.float64)}
+
+
+class MlflowOnnxClassifier(mlflow.pyfunc.PythonModel):
+    """The MLflow pyfunc face of :class:`OnnxClassifier`: the same input and output as
+    ``ddpipe.models.served.MlflowImageClassifier``."""
+
+    def load_context(self, context: PythonModelContext) -> None:
+        self.classifier = OnnxClassifier(context.artifacts["graph"])
+
+    def predict(self, context: PythonModelContext, model_input: np.ndarray, params: dict | None = None
+                ) -> pd.DataFrame:
+        return prediction_frame(self.classifier, model_input)
+
+
+MODEL_CODE_FILE = "ddpipe_onnx_classifier.py"
+MODEL_CODE = '''"""ddpipe's ONNX classifier as MLflow loads it (models-from-code); the graph is its artifact."""
+import mlflow.models
+
+from ddpipe.models.onnx_served import MlflowOnnxClassifier
+
+mlflow.models.set_model(MlflowOnnxClassifier())
+'''
+
+
+def log_onnx_pyfunc(mlflow: Any, name: str, graph: Path, input_example: Any = None) -> Any:
+    """The graph ``graph`` into the active run as the pyfunc model ``name`` (:class:`MlflowOnnxClassifier`, logged as
+    code, no pickle); its ModelInfo. ``input_example``: a request (default: one black image at the graph's size)."""
+    import onnxruntime
+
+    classifier = OnnxClassifier(graph)
+    if input_example is None:
+        input_example = np.zeros((1, classifier.num_channels, *classifier.image_size), dtype=np.uint8)
+    with tempfile.TemporaryDirectory() as tmp:
+        code = Path(tmp) / MODEL_CODE_FILE
+        code.write_text(MODEL_CODE)
+        return mlflow.pyfunc.log_model(
+            name=name, python_model=str(code), artifacts={"graph": str(graph)},
+            signature=mlflow.models.ModelSignature(outputs=prediction_schema()), input_example=input_example,
+            code_paths=[str(Path(__file__).parent)],
+            pip_requirements=[f"onnxruntime=={onnxruntime.__version__}", "torch", "numpy", "pandas"],
+            metadata={"classes": classifier.classes, "image_size": list(classifier.image_size),
+                      "num_channels": classifier.num_channels, "exported_epoch": classifier.exported_epoch,
+                      "graph": os.path.basename(graph), "runtime": "onnxruntime"})

@@ -1,0 +1,330 @@
+"""The export stage: ONNX and INT8 graphs of the trained model, scored by ONNX Runtime on images the tests write,
+checked against the PyTorch model before they replace anything, registered, and served."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ddpipe.config.load import load_config
+from ddpipe.config.schema import ConfigError, ModelConfig
+from tests.conftest import LIGHT_EXPORT, PARAMS, args_for, make_imagefolder, run
+
+pytest.importorskip("onnxruntime")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> list[str]:
+    """The default network trained for an epoch on the generated MNIST-format data, evaluated, registered as clf."""
+    tmp = tmp_path_factory.mktemp("export")
+    args = args_for(tmp, prepared, "num_epochs=1", "mlflow.registered_model_name=clf", "mlflow.experiment_name=exp",
+                    *LIGHT_EXPORT)
+    run(["python", "stages/train_worker.py", *args])
+    run(["python", "stages/evaluate.py", *args])
+    return args
+
+
+def _client(cfg):  # noqa: ANN001, ANN202
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=cfg.mlflow.tracking_uri)
+
+
+def _digests(*paths: str) -> list[str]:
+    return [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths]
+
+
+def test_the_default_network_exports_onnx_and_int8_that_a_plain_client_scores_as_evaluated(
+        trained: list[str], prepared: Path) -> None:
+    import onnxruntime as ort
+
+    from ddpipe.export.stage import export
+
+    cfg = load_config(trained, params_file=PARAMS)
+    m = export(cfg)["export"]
+    assert json.loads(Path(cfg.paths.export_metrics).read_text())["export"] == m
+    assert m["onnx"]["agreement"] >= 0.999 and m["onnx"]["max_prob_diff"] < 1e-4
+    assert set(m["int8"]["latency_ms"]) == {"batch_1", "batch_8"} and m["int8"]["size_mb"] < m["onnx"]["size_mb"]
+    # a client that knows nothing of ddpipe: ONNX Runtime, the raw uint8 test images, the metadata's class names
+    images = np.load(prepared / "test.images.npy")
+    labels = np.load(prepared / "test.labels.npy")
+    evaluated = json.loads(Path(cfg.paths.test_metrics).read_text())["test"]["accuracy"]
+    for path, tolerance in ((cfg.paths.onnx, 0.001), (cfg.paths.onnx_int8, 0.01)):
+        session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        (graph_input,) = session.get_inputs()
+        assert graph_input.type == "tensor(uint8)" and isinstance(graph_input.shape[0], str)  # the batch is dynamic
+        probs = np.concatenate([session.run(None, {graph_input.name: images[a:a + 7]})[0]
+                                for a in range(0, len(images), 7)])
+        assert np.allclose(probs.sum(1), 1.0, atol=1e-4)
+        assert abs(float((probs.argmax(1) == labels).mean()) - evaluated) <= tolerance, path
+        assert json.loads(session.get_modelmeta().custom_metadata_map["classes"]) == [str(i) for i in range(10)]
+    # registered with the training's version, which takes the alias now that its exports passed
+    client = _client(cfg)
+    version = client.get_model_version_by_alias("clf", "champion")
+    assert version.tags["export_passed"] == "true" and float(version.tags["export_onnx_agreement"]) >= 0.999
+    artifacts = {a.path for a in client.list_artifacts(version.run_id, "export")}
+    assert artifacts == {"export/model.onnx", "export/model.int8.onnx"}
+    run = client.get_run(version.run_id).info  # the training's run keeps the end it had
+    assert run.status == "FINISHED" and run.end_time is not None
+
+
+def test_the_served_onnx_model_answers_a_raw_image_request_as_the_pytorch_one(trained: list[str]) -> None:
+    import mlflow.pyfunc
+
+    from ddpipe.models.served import ImageClassifier
+
+    cfg = load_config(trained, params_file=PARAMS)
+    version = _client(cfg).get_model_version_by_alias("clf", "champion")
+    mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
+    served = mlflow.pyfunc.load_model(version.tags["export_onnx_model"])
+    request = np.random.default_rng(1).integers(0, 256, size=(5, 40, 40), dtype=np.uint8)  # N x H x W, resized
+    answer = served.predict(request)
+    assert list(answer.columns) == ["label", "class_index", "probability", "probabilities"]
+    assert list(answer["label"]) == ImageClassifier.load(cfg.paths.model).predict(request)["label"]
+    with pytest.raises(ValueError, match="integer pixels must lie in 0-255"):  # bad input: refused before any work
+        served.predict(np.full((1, 28, 28), 300, dtype=np.int64))
+
+
+def _swap_classes(path: Path) -> None:
+    """The graph's output reversed along the classes: a broken export that still runs."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(path))
+    out = model.graph.output[0].name
+    for node in model.graph.node:
+        node.output[:] = [f"{o}_raw" if o == out else o for o in node.output]
+    for name, value in (("s", [-1]), ("e", [-(2 ** 62)]), ("a", [1]), ("st", [-1])):
+        model.graph.initializer.append(numpy_helper.from_array(np.array(value, dtype=np.int64), f"swap_{name}"))
+    model.graph.node.append(helper.make_node("Slice", [f"{out}_raw", "swap_s", "swap_e", "swap_a", "swap_st"], [out]))
+    onnx.save_model(model, str(path))
+
+
+def test_a_broken_export_fails_the_stage_and_leaves_the_previous_export_in_place(
+        trained: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import stages.export
+    from ddpipe.export import stage
+
+    cfg = load_config(trained + ["export.int8=true"], params_file=PARAMS)
+    outputs = (cfg.paths.onnx, cfg.paths.onnx_int8, cfg.paths.export_metrics)
+    before = _digests(*outputs)
+    real = stage.export_onnx
+
+    def broken(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        real(*args, **kwargs)
+        _swap_classes(args[2])
+
+    monkeypatch.setattr(stage, "export_onnx", broken)
+    with pytest.raises(SystemExit) as failed:
+        stages.export.main(cfg)
+    message = str(failed.value.code)
+    assert "onnx: top-1 agrees with the PyTorch model on" in message
+    assert "below export.min_agreement = 99.90%" in message
+    assert "Nothing was written; the previous export stays in place" in message
+    assert _digests(*outputs) == before
+    assert not [p for p in Path(cfg.paths.onnx).parent.iterdir() if p.name.startswith(".export-")]
+    # DVC deletes a stage's outputs before it runs unless they persist
+    import yaml
+
+    outs = yaml.safe_load((Path(__file__).parents[1] / "dvc.yaml").read_text())["stages"]["export"]["outs"]
+    assert all(next(iter(o.values()))["persist"] for o in outs)
+    version = _client(cfg).get_model_version("clf", "1")
+    assert version.tags["export_passed"] == "false"
+
+
+def test_the_champion_moves_only_to_a_version_whose_export_passed(trained: list[str]) -> None:
+    from ddpipe.tracking.champion import record_and_promote, record_export
+
+    cfg = load_config(trained, params_file=PARAMS)
+    client = _client(cfg)
+    first = client.get_model_version("clf", "1")
+    run_id = client.create_run(client.get_experiment_by_name("exp").experiment_id).info.run_id
+    second = client.create_model_version("clf", first.source, run_id=run_id).version
+    record_and_promote(client, run_id, {"model_name": "clf", "alias": None, "test_accuracy": 1.0,
+                                        "split": first.tags["test_split"]})
+    client.set_registered_model_alias("clf", "champion", "1")
+    record_export(client, run_id, {"model_name": "clf", "alias": "champion", "passed": False, "why": "int8 lost"}, {})
+    assert str(client.get_model_version_by_alias("clf", "champion").version) == "1"
+    record_export(client, run_id, {"model_name": "clf", "alias": "champion", "passed": True}, {})
+    assert str(client.get_model_version_by_alias("clf", "champion").version) == str(second)
+
+
+@pytest.mark.parametrize("eval_size", [None, 40])
+def test_a_torchvision_network_with_its_own_stem_exports_and_scores(tmp_path: Path, eval_size: int | None) -> None:
+    """resnet18 (torchvision's ImageNet stem) on a folder of 32 px RGB PNGs the test writes; with ``eval_size``, kept
+    encoded and evaluated at a FixRes size larger than the images (the saved model's size, which the graph takes)."""
+    import onnxruntime as ort
+
+    from ddpipe.config.schema import DataConfig
+    from ddpipe.data.prepare import prepare
+    from ddpipe.data.store import load_meta
+    from ddpipe.export.stage import export
+    from ddpipe.models.catalog import build_model
+    from ddpipe.models.saved import save_model
+
+    folder = make_imagefolder(tmp_path / "imgs", per_class=12, size=32)
+    encoding = "encoded" if eval_size else "auto"  # FixRes sizes are the encoded images' (raw ones have one size)
+    prepare(DataConfig(dataset="imagefolder", source_dir=str(folder), encoding=encoding), 0, tmp_path / "raw",
+            tmp_path / "prepared", workers=1)
+    meta = asdict(load_meta(tmp_path / "prepared"))
+    meta["image_size"] = [eval_size, eval_size] if eval_size else meta["image_size"]
+    torch.manual_seed(0)
+    network = build_model(ModelConfig(name="resnet18"), 3, 3)
+    save_model(network.state_dict(), ModelConfig(name="resnet18"), meta, tmp_path / "model.pt")
+    cfg = load_config(args_for(tmp_path, tmp_path / "prepared", "model.name=resnet18", "data.dataset=imagefolder",
+                               f"data.source_dir={folder}", "export.max_int8_accuracy_drop=1.0", *LIGHT_EXPORT),
+                      params_file=PARAMS)
+    m = export(cfg)["export"]
+    assert m["onnx"]["agreement"] == 1.0 and m["num_samples"] == meta["sizes"]["test"]
+    assert m["int8"]["size_mb"] < m["onnx"]["size_mb"] / 3
+    (graph_input,) = ort.InferenceSession(cfg.paths.onnx, providers=["CPUExecutionProvider"]).get_inputs()
+    assert graph_input.shape[1:] == [3, *meta["image_size"]]
+
+
+OWN_NET = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, in_channels: int = 1, num_classes: int = 10) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(in_channels, 8, 3, padding=1), nn.GELU(), nn.AdaptiveAvgPool2d(2))
+        self.head = nn.Linear(32, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(self.body(x), 1))
+"""
+
+
+@pytest.mark.parametrize("case", ["resnet_small", "timm", "own module", "fine-tuned", "ema"])
+def test_every_kind_of_network_we_train_exports_and_agrees(case: str, tmp_path: Path, prepared: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default network on a GPU or an AMX CPU (resnet_small), a timm network by name, a user's module
+    (module:Class), a fine-tuned torchvision network (its pretrained weights named but not needed to rebuild it) and
+    EMA weights, each trained briefly (fresh weights answer every image alike), exported, and scored against the
+    PyTorch model on the prepared test split. FixRes sizes: the torchvision test."""
+    from ddpipe.data.store import load_meta
+    from ddpipe.engine.ema import WeightAverage
+    from ddpipe.export.stage import export
+    from ddpipe.models.catalog import build_model
+    from ddpipe.models.saved import save_model
+
+    if case == "timm":
+        pytest.importorskip("timm")
+    (tmp_path / "mynets.py").write_text(OWN_NET)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = ModelConfig(**{"resnet_small": {"name": "resnet_small", "width": 8}, "timm": {"name": "resnet10t"},
+                           "own module": {"name": "mynets:Net"},
+                           "fine-tuned": {"name": "resnet18", "weights": "ResNet18_Weights.IMAGENET1K_V1"},
+                           "ema": {"name": "resnet_compact", "width": 8}}[case])
+    meta = asdict(load_meta(prepared))
+    torch.manual_seed(0)
+    network = build_model(model, meta["num_channels"], len(meta["classes"]))
+    average = WeightAverage(network, 0.9) if case == "ema" else None
+    _train_briefly(network, prepared, meta, average)
+    state = average.weights() if average else network.state_dict()
+    save_model(state, model, meta, tmp_path / "model.pt",
+               {"exported_epoch": 1, "exported_weights": "ema" if average else "raw"})
+    cfg = load_config(args_for(tmp_path, prepared, f"model.name={model.name}", "export.int8=false",
+                               "mlflow.log_model=false", *LIGHT_EXPORT), params_file=PARAMS)
+    m = export(cfg)["export"]
+    assert m["onnx"]["agreement"] >= 0.999 and m["num_samples"] == meta["sizes"]["test"], m["onnx"]
+    assert m["onnx"]["max_prob_diff"] < 1e-3
+    assert not Path(cfg.paths.onnx_int8).exists()
+    assert m["onnx"]["accuracy"] == m["pytorch"]["accuracy"] > 0.15  # trained: more than chance (0.10)
+
+
+def _train_briefly(network: torch.nn.Module, prepared: Path, meta: dict, average=None) -> None:  # noqa: ANN001
+    """A few optimizer steps on the prepared training images (and the weight average after each, when given)."""
+    from ddpipe.data.store import open_split
+
+    split = open_split(prepared, "train")
+    optimizer = torch.optim.AdamW(network.parameters(), lr=3e-3)
+    mean = torch.tensor(meta["mean"]).view(1, -1, 1, 1)
+    std = torch.tensor(meta["std"]).view(1, -1, 1, 1)
+    labels = torch.as_tensor(np.array(split.labels))
+    network.train()
+    for step in range(30):
+        idx = np.arange(step * 32, step * 32 + 32) % len(labels)
+        x = (torch.from_numpy(split.pixels(idx)).float() / 255 - mean) / std
+        loss = torch.nn.functional.cross_entropy(network(x), labels[idx])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if average is not None:
+            average.update(network)
+    network.eval()
+
+
+def test_global_max_pooling_is_exported_as_a_reduction_that_answers_bit_for_bit() -> None:
+    """resnet_small's and resnet_compact's AdaptiveMaxPool2d(1), which torch 2.11's exporter cannot translate,
+    replaced in a copy by a max over height and width: the same answers to the bit, the caller's network untouched."""
+    from ddpipe.export.graph import GlobalMaxPool, exportable
+    from ddpipe.models.catalog import build_model
+
+    for name in ("resnet_small", "resnet_compact"):
+        torch.manual_seed(0)
+        network = build_model(ModelConfig(name=name, width=8), 1, 10).eval()
+        copy = exportable(network)
+        assert any(isinstance(m, GlobalMaxPool) for m in copy.modules())
+        assert any(isinstance(m, torch.nn.AdaptiveMaxPool2d) for m in network.modules())
+        x = torch.randn(4, 1, 28, 28)
+        with torch.no_grad():
+            assert torch.equal(copy(x), network(x)), name
+
+
+@pytest.mark.parametrize("override, says", [
+    ("export.formats=[tflite]", "export.formats = ['tflite'] is not accepted"),
+    ("export.opset=12", "export.opset = 12 is not accepted"),
+    ("export.calibration_split=test", "the test split is the check's own"),
+    ("export.calibration_split=holdout", "expected train or val"),
+    ("export.min_agreement=1.5", "export.min_agreement = 1.5 is not accepted"),
+    ("export.max_int8_accuracy_drop=-0.1", "export.max_int8_accuracy_drop = -0.1 is not accepted"),
+])
+def test_bad_export_params_are_refused_before_any_work(override: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=re_escape(says)):
+        load_config([override], params_file=PARAMS)
+
+
+def test_an_opset_newer_than_the_exporter_writes_is_refused_before_any_work(tmp_path: Path) -> None:
+    from ddpipe.export.stage import check_before_work
+
+    with pytest.raises(ConfigError, match="export.opset = 99 is not accepted; the installed onnx"):
+        check_before_work(load_config(args_for(tmp_path, tmp_path, "export.opset=99"), params_file=PARAMS))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_operator_the_exporter_refuses_is_named(tmp_path: Path) -> None:
+    from ddpipe.export.graph import ExportError, export_onnx
+    from ddpipe.models.saved import SavedModel
+
+    @torch.library.custom_op("ddpipe_test::twist", mutates_args=())
+    def twist(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    twist.register_fake(lambda x: torch.empty_like(x))
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Flatten(), torch.nn.LazyLinear(3))
+    net(torch.zeros(1, 1, 8, 8))
+
+    class Twisted(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return net(twist(x))
+
+    saved = SavedModel({}, ModelConfig(name="mynets:Twisted"), 1, ["a", "b", "c"], [0.5], [0.25], [8, 8], "raw",
+                       None, 1.0, "raw")
+    with pytest.raises(ExportError, match=r"refused the operator .*twist"):
+        export_onnx(Twisted(), saved, tmp_path / "m.onnx", 18)
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def re_escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
