@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("fetch", "prepare", "train_worker", "evaluate", "export")
 sys.path.insert(0, str(ROOT))
 
 
@@ -48,6 +49,11 @@ def main() -> None:
     parser.add_argument("--train-samples", type=int, default=8192, help="fmnist: training images (default 8192)")
     parser.add_argument("--images", type=int, default=600, help="resnet18: generated images in all (default 600)")
     parser.add_argument("--classes", type=int, default=3, help="resnet18: generated classes (default 3)")
+    parser.add_argument("--stages", default=",".join(STAGES),
+                        help="the stages to run, e.g. fetch,prepare,train_worker on a GPU host and "
+                             "fetch,prepare,evaluate,export here with its OUT/model.pt (default: all)")
+    parser.add_argument("--train", nargs="*", default=[], help="more key=value for every stage, e.g. "
+                        "train.batch_size_per_rank=128")
     args = parser.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -55,16 +61,19 @@ def main() -> None:
     if args.case == "fmnist":
         extra = ["data.source_dir=/usr/share/datasets/fashion-mnist", f"data.max_train_samples={args.train_samples}",
                  f"num_epochs={args.epochs or 2}"]
-        for stage in ("fetch", "prepare", "train_worker", "evaluate", "export"):
-            subprocess.run([sys.executable, f"stages/{stage}.py", *common, *extra], cwd=ROOT, check=True)
     else:
         from bench.imageset import generate
 
         folder = generate(out / "imgs", args.images, args.classes)
         extra = ["data.dataset=imagefolder", f"data.source_dir={folder}", "model.name=resnet18",
                  "export.max_int8_accuracy_drop=1.0", f"num_epochs={args.epochs or 1}", "train.batch_size_per_rank=32"]
-        for stage in ("fetch", "prepare", "train_worker", "evaluate", "export"):
-            subprocess.run([sys.executable, f"stages/{stage}.py", *common, *extra], cwd=ROOT, check=True)
+    stages = args.stages.split(",")
+    if unknown := [s for s in stages if s not in STAGES]:
+        parser.error(f"--stages: {', '.join(unknown)} not among {', '.join(STAGES)}")
+    for stage in stages:
+        subprocess.run([sys.executable, f"stages/{stage}.py", *common, *extra, *args.train], cwd=ROOT, check=True)
+    if "export" not in stages:
+        return
     print(rows(json.loads((out / "export.json").read_text()), args.case))
 
 
