@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -205,7 +206,8 @@ class Net(nn.Module):
 
 @pytest.mark.parametrize("case", ["resnet_small", "timm", "own module", "fine-tuned", "ema"])
 def test_every_kind_of_network_we_train_exports_and_agrees(case: str, tmp_path: Path, prepared: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           request: pytest.FixtureRequest) -> None:
     """The default network on a GPU or an AMX CPU (resnet_small), a timm network by name, a user's module
     (module:Class), a fine-tuned torchvision network (its pretrained weights named but not needed to rebuild it) and
     EMA weights, each trained briefly (fresh weights answer every image alike), exported, and scored against the
@@ -218,10 +220,11 @@ def test_every_kind_of_network_we_train_exports_and_agrees(case: str, tmp_path: 
 
     if case == "timm":
         pytest.importorskip("timm")
-    (tmp_path / "mynets.py").write_text(OWN_NET)
+    (tmp_path / "export_own_nets.py").write_text(OWN_NET)  # a name no other test imports: modules stay cached
     monkeypatch.syspath_prepend(str(tmp_path))
+    request.addfinalizer(lambda: sys.modules.pop("export_own_nets", None))
     model = ModelConfig(**{"resnet_small": {"name": "resnet_small", "width": 8}, "timm": {"name": "resnet10t"},
-                           "own module": {"name": "mynets:Net"},
+                           "own module": {"name": "export_own_nets:Net"},
                            "fine-tuned": {"name": "resnet18", "weights": "ResNet18_Weights.IMAGENET1K_V1"},
                            "ema": {"name": "resnet_compact", "width": 8}}[case])
     meta = asdict(load_meta(prepared))
