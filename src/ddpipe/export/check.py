@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from ddpipe.models.onnx_served import OnnxClassifier
 from ddpipe.models.served import ImageClassifier
@@ -45,24 +44,15 @@ class Score:
         return {**out, "latency_ms": self.latency_ms}
 
 
-def pytorch_probabilities(classifier: ImageClassifier) -> Callable[[np.ndarray], np.ndarray]:
-    """The PyTorch model's probabilities of a uint8 batch, as the evaluate stage computes them."""
-    def run(batch: np.ndarray) -> np.ndarray:
-        return torch.softmax(classifier.logits(torch.from_numpy(batch)).double(), 1).numpy()
-
-    return run
-
-
 def score(batches: Callable[[], object], classifier: ImageClassifier, graphs: dict[str, Path],
           threads: int) -> dict[str, Score]:
     """``pytorch`` and each of ``graphs`` (format -> file) over the batches ``batches()`` yields (uint8 images,
     labels, ...); the PyTorch model is every format's reference."""
-    reference = pytorch_probabilities(classifier)
     sessions = {name: OnnxClassifier(path, threads) for name, path in graphs.items()}
     scores = {name: Score() for name in ("pytorch", *graphs)}
     for images, labels, *_ in batches():
         batch, y = images.numpy(), labels.numpy()
-        ref = reference(batch)
+        ref = classifier.probabilities(batch)
         scores["pytorch"].add(ref, ref, y)
         for name, session in sessions.items():
             scores[name].add(session.probabilities(batch).astype(np.float64), ref, y)

@@ -25,7 +25,7 @@ from ddpipe.data.loaders import BatchKey, Splits
 from ddpipe.data.store import PreparedDataError, load_meta
 from ddpipe.engine.evaluation import TestSplit
 from ddpipe.engine.resolved import eval_batch_size
-from ddpipe.export.check import latency, pytorch_probabilities, score
+from ddpipe.export.check import latency, score
 from ddpipe.export.graph import export_onnx
 from ddpipe.export.int8 import CALIBRATION_BATCH, quantize
 from ddpipe.models.onnx_served import OnnxClassifier
@@ -107,7 +107,7 @@ def measure(cfg: Config, classifier: ImageClassifier, graphs: dict[str, Path], t
     finally:
         test.close()
     sizes, runs = list(cfg.export.latency_batch_sizes), cfg.export.latency_runs
-    scores["pytorch"].latency_ms = latency(pytorch_probabilities(classifier), sample, sizes, runs)
+    scores["pytorch"].latency_ms = latency(classifier.probabilities, sample, sizes, runs)
     for name, path in graphs.items():
         scores[name].latency_ms = latency(OnnxClassifier(path, threads).probabilities, sample, sizes, runs)
     out = {name: scores[name].metrics(graphs.get(name)) for name in ("pytorch", *graphs)}

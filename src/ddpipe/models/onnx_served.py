@@ -39,6 +39,8 @@ def ort_session(path: str | Path, threads: int | None = None) -> Any:
 class OnnxClassifier(ImageInput):
     """An exported graph in ONNX Runtime, with the input handling of the PyTorch classifier."""
 
+    predict_batch = 256
+
     def __init__(self, path: str | Path, threads: int | None = None) -> None:
         self.session = ort_session(path, threads)
         meta = self.session.get_modelmeta().custom_metadata_map
@@ -47,20 +49,11 @@ class OnnxClassifier(ImageInput):
         self.classes: list[str] = json.loads(meta["classes"])
         super().__init__(int(meta["num_channels"]), tuple(json.loads(meta["image_size"])), meta["encoding"],
                          float(meta["eval_crop_ratio"]))
-        epoch = json.loads(meta.get("exported_epoch", "null"))
-        self.exported_epoch = epoch
+        self.exported_epoch = json.loads(meta.get("exported_epoch", "null"))
 
     def probabilities(self, batch: np.ndarray) -> np.ndarray:
         """``[N, classes]`` probabilities of a uint8 ``N x C x H x W`` batch at the graph's size."""
         return self.session.run([OUTPUT_NAME], {INPUT_NAME: np.ascontiguousarray(batch, dtype=np.uint8)})[0]
-
-    def predict(self, images: Any, batch_size: int = 256) -> dict[str, Any]:
-        """As :meth:`ddpipe.models.served.ImageClassifier.predict`: ``class_index``, ``label``, ``probabilities``."""
-        batch = self.to_batch(images).numpy()
-        probs = np.concatenate([self.probabilities(batch[i:i + batch_size]) for i in range(0, len(batch), batch_size)])
-        index = probs.argmax(1)
-        return {"class_index": index, "label": [self.classes[i] for i in index.tolist()],
-                "probabilities": probs.astype(np.float64)}
 
 
 class MlflowOnnxClassifier(mlflow.pyfunc.PythonModel):

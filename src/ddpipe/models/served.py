@@ -43,9 +43,25 @@ class ImageInput:
     """A client's images as a model takes them (see the module doc): what the PyTorch classifier and the exported
     ONNX one (``ddpipe.models.onnx_served``) share, so both take the same requests."""
 
+    predict_batch = 1000  # images per run of the model in predict()
+    classes: list[str]
+
     def __init__(self, num_channels: int, image_size: tuple[int, int], encoding: str, eval_crop_ratio: float) -> None:
         self.num_channels, self.image_size, self.encoding = num_channels, tuple(image_size), encoding
         self.eval_crop = EvalCrop(self.image_size[0], eval_crop_ratio)  # encoded: validation's very crop
+
+    def probabilities(self, batch: np.ndarray) -> np.ndarray:
+        """``[N, classes]`` class probabilities of a uint8 ``N x C x H x W`` batch at the model's size."""
+        raise NotImplementedError
+
+    def predict(self, images: Any) -> dict[str, Any]:
+        """``class_index`` and ``label`` (the most probable class), ``probabilities`` ``[N, classes]`` (float64), for
+        a client's images (:meth:`to_batch`)."""
+        batch, step = self.to_batch(images).numpy(), self.predict_batch
+        probs = np.concatenate([self.probabilities(batch[i:i + step]) for i in range(0, len(batch), step)])
+        index = probs.argmax(1)
+        return {"class_index": index, "label": [self.classes[i] for i in index.tolist()],
+                "probabilities": probs.astype(np.float64)}
 
     def to_batch(self, images: Any) -> torch.Tensor:
         """A client's images as the uint8 ``N x C x H x W`` batch the model takes (see the module doc)."""
@@ -95,6 +111,7 @@ class ImageInput:
             batch = resized.round_().clamp_(0, 255).to(torch.uint8)
         return batch
 
+
 class ImageClassifier(ImageInput):
     """A saved model (``paths.model``) with its normalisation and class names, ready to predict."""
 
@@ -123,13 +140,9 @@ class ImageClassifier(ImageInput):
         x = self.normalise(images, torch.empty(0), None)
         return predict_logits(self.model, x, self.flips).cpu()
 
-    def predict(self, images: Any, batch_size: int = 1000) -> dict[str, Any]:
-        """``class_index`` and ``label`` (argmax of the logits), ``probabilities`` ``[N, classes]`` (softmax)."""
-        batch = self.to_batch(images)
-        logits = torch.cat([self.logits(batch[i:i + batch_size]) for i in range(0, len(batch), batch_size)])
-        index = logits.argmax(1)
-        return {"class_index": index.numpy(), "label": [self.classes[i] for i in index.tolist()],
-                "probabilities": torch.softmax(logits.double(), 1).numpy()}
+    def probabilities(self, batch: np.ndarray) -> np.ndarray:
+        """The softmax of :meth:`logits`, in float64 (the evaluate stage's, and the export check's reference)."""
+        return torch.softmax(self.logits(torch.from_numpy(batch)).double(), 1).numpy()
 
 
 class MlflowImageClassifier(mlflow.pyfunc.PythonModel):
