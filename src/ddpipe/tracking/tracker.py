@@ -244,7 +244,6 @@ class MlflowTracker(Tracker):
         if not (self.enabled and self.journal is not None):
             return
         import numpy as np
-
         example = Path(self.journal.keep_file(model_path)).with_name("input_example.npy")
         np.save(example, np.asarray(input_example))
         self._append("model", model=str(example.with_name(Path(model_path).name)), example=str(example),
