@@ -103,8 +103,9 @@ def test_an_int8_copy_made_for_another_cpu_kind_holds_its_weights_type_and_says_
         graph = onnx.load(cfg.paths.onnx_int8)
         assert {p.key: p.value for p in graph.metadata_props}[INT8_CPU_KEY] == kind
         initializers = {i.name: i for i in graph.graph.initializer}
-        dequantized = [initializers.get(n.input[0]) for n in graph.graph.node if n.op_type == "DequantizeLinear"]
-        conv_weights = {w.data_type for w in dequantized if w is not None and len(w.dims) == 4}
+        dequantized = {n.output[0]: n.input[0] for n in graph.graph.node if n.op_type == "DequantizeLinear"}
+        convs = [n for n in graph.graph.node if n.op_type == "Conv"]
+        conv_weights = {initializers[dequantized[n.input[1]]].data_type for n in convs}
         assert conv_weights == {onnx.TensorProto.INT8 if INT8_WEIGHTS[kind] == "int8" else onnx.TensorProto.UINT8}
         said = capsys.readouterr().out
         with warnings.catch_warnings(record=True) as caught:

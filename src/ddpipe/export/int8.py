@@ -21,12 +21,6 @@ from ddpipe.models.saved import INPUT_NAME, INT8_CPU_KEY, INT8_WEIGHTS
 CALIBRATION_BATCH = 32  # images per calibration run: the ranges are the same at any batch, memory is not
 
 
-def target_cpu(setting: str) -> str:
-    """The CPU kind ``export.int8_cpu`` names (``auto``: the one this process runs on)."""
-    from ddpipe.core.devices import cpu_int8_kind
-
-    return cpu_int8_kind() if setting == "auto" else setting
-
 
 def quantize(graph: Path, out: Path, images: Iterator[np.ndarray], cpu: str) -> None:
     """``graph`` as a static INT8 graph ``out`` for CPUs of kind ``cpu`` (a key of :data:`INT8_WEIGHTS`), calibrated

@@ -24,10 +24,10 @@ from ddpipe.core.files import atomic_write_json
 from ddpipe.data.loaders import BatchKey, Splits
 from ddpipe.data.store import PreparedDataError, load_meta
 from ddpipe.engine.evaluation import TestSplit
-from ddpipe.engine.resolved import eval_batch_size
+from ddpipe.engine.resolved import eval_batch_size, int8_target
 from ddpipe.export.check import latency, score
 from ddpipe.export.graph import export_onnx
-from ddpipe.export.int8 import CALIBRATION_BATCH, quantize, target_cpu
+from ddpipe.export.int8 import CALIBRATION_BATCH, quantize
 from ddpipe.models.onnx_served import OnnxClassifier
 from ddpipe.models.served import ImageClassifier
 from ddpipe.tracking.outbox import read_run_info
@@ -67,7 +67,7 @@ def export(cfg: Config) -> dict:
         staged = {name: Path(tmp) / path.name for name, path in targets.items()}
         export_onnx(classifier.model, classifier.saved, staged["onnx"], cfg.export.opset)
         print(f"export: {cfg.paths.onnx} written ({staged['onnx'].stat().st_size / 1e6:.1f} MB); checking", flush=True)
-        cpu = target_cpu(cfg.export.int8_cpu)
+        cpu = int8_target(cfg.export.int8_cpu)
         if "int8" in staged:
             quantize(staged["onnx"], staged["int8"], calibration_batches(cfg, classifier), cpu)
             if cpu != cpu_int8_kind():
