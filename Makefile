@@ -9,10 +9,12 @@ BIN    := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
-.PHONY: setup data-package repro test test-fast test-slurm test-gpu lint bench clean-runs ui-deps slurm-deps \
+.PHONY: setup venv data-package repro test test-fast test-slurm test-gpu lint bench clean-runs ui-deps slurm-deps \
 	server-deps ssh-deps tracking-server
 
-setup: $(VENV)/.installed data-package
+setup: venv data-package
+
+venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -18,9 +18,9 @@ def main(cfg: Config) -> None:
     except (ExportError, ExportCheckFailed) as exc:
         raise SystemExit(f"error: export: {exc}") from None
     for name in [f for f in ("onnx", "int8") if f in m]:
-        (batch, times), *_ = m[name]["latency_ms"].items()
+        timed = [f", {batch} p50 {times['p50']} ms" for batch, times in m[name].get("latency_ms", {}).items()][:1]
         print(f"export: {name}: accuracy {m[name]['accuracy']:.4f}, agreement {m[name]['agreement']:.4%}, size "
-              f"{m[name]['size_mb']:.1f} MB, {batch} p50 {times['p50']} ms -> {cfg.paths.export_metrics}")
+              f"{m[name]['size_mb']:.1f} MB{''.join(timed)} -> {cfg.paths.export_metrics}")
 
 
 if __name__ == "__main__":

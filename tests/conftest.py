@@ -57,6 +57,43 @@ def tiny_overrides(tmp: Path) -> list[str]:
     ]
 
 
+# ---------------------------------------------------------------------------------------------
+# What the suite costs, printed at the end of every run (docs/architecture.md, "What a test may cost")
+
+# The whole suite's share of CI's 30 minutes on an idle two-core machine (set-up takes the rest); a run of the whole
+# suite past it says so in its last lines, so the change that made it slower is seen where it lands.
+SUITE_BUDGET_S = 24 * 60
+FAST_BUDGET_S = 5 * 60  # make test-fast: the tests not marked slow, the run before a commit
+SLOWEST_SHOWN = 10
+_spent: dict[str, float] = {}
+_started = [0.0]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _started[0] = time.monotonic()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Set-up, call and teardown of each test added up (a session fixture's set-up counts for its first user)."""
+    _spent[report.nodeid] = _spent.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    wall = time.monotonic() - _started[0]
+    everything = config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword
+    budget = {"": SUITE_BUDGET_S, "not slow": FAST_BUDGET_S}.get(config.option.markexpr) if everything else None
+    write = terminalreporter.write_line
+    terminalreporter.section("what the suite cost")
+    write(f"suite: {len(_spent)} tests in {wall / 60:.1f} min wall" + (
+        f" (budget {budget / 60:.0f} min on an idle two-core machine)" if budget else " (a selection: no budget)"))
+    if budget and wall > budget:
+        write(f"suite: OVER BUDGET by {(wall - budget) / 60:.1f} min: find what this change made slower in the "
+              "slowest tests below (docs/architecture.md, \"What a test may cost\")")
+    write(f"slowest {SLOWEST_SHOWN} (set-up + call + teardown):")
+    for nodeid, seconds in sorted(_spent.items(), key=lambda kv: -kv[1])[:SLOWEST_SHOWN]:
+        write(f"  {seconds:7.1f} s  {nodeid}")
+
+
 @pytest.fixture(autouse=True)
 def _mlflow_uris_restored(monkeypatch: pytest.MonkeyPatch) -> None:
     """``mlflow.set_tracking_uri`` in a test exports MLFLOW_TRACKING_URI to this process, and so to the
@@ -197,8 +234,10 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base / "prepared"
 
 
-# the export stage on test-sized data: fewer timed runs, a small latency batch, fewer calibration images
-LIGHT_EXPORT = ("export.latency_runs=3", "export.latency_batch_sizes=[1,8]", "export.calibration_images=64")
+# the export stage where a test reads no latency: not timed (export.latency_runs=0), fewer calibration images
+LIGHT_EXPORT = ("export.latency_runs=0", "export.calibration_images=64")
+# ... and where it reads them: a few timed runs at a small batch
+TIMED_EXPORT = ("export.latency_runs=3", "export.latency_batch_sizes=[1,8]", "export.calibration_images=64")
 
 
 def args_for(tmp: Path, prepared: Path, *extra: str) -> list[str]:
@@ -370,7 +409,9 @@ CLONE_ENV = {**GIT_ENV, "MLFLOW_TRACKING_URI": ""}
 # else runs on the host (the default) changes the arithmetic
 CLONE_PARAMS = {"data.max_train_samples": 1024, "model.width": 8, "num_epochs": 2,
                 "train.batch_size_per_rank": 64, "train.progress_bar": False,
-                "distributed.threads_per_process": 2}
+                "distributed.threads_per_process": 2,
+                # no test of a clone reads the export's latencies: none are timed (test_export times them)
+                "export.latency_runs": 0, "export.calibration_images": 64}
 
 
 def write_params(repo: Path, params: dict) -> None:

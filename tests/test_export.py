@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -15,10 +16,10 @@ import torch
 
 from ddpipe.config.load import load_config
 from ddpipe.config.schema import ConfigError, ModelConfig
-from tests.conftest import LIGHT_EXPORT, PARAMS, args_for, make_imagefolder, run
+from ddpipe.core.devices import cpu_int8_kind
+from tests.conftest import LIGHT_EXPORT, PARAMS, TIMED_EXPORT, args_for, make_imagefolder, run
 
 pytest.importorskip("onnxruntime")
-
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> list[str]:
@@ -47,11 +48,14 @@ def test_the_default_network_exports_onnx_and_int8_that_a_plain_client_scores_as
 
     from ddpipe.export.stage import export
 
-    cfg = load_config(trained, params_file=PARAMS)
+    cfg = load_config([*trained, *TIMED_EXPORT], params_file=PARAMS)
     m = export(cfg)["export"]
     assert json.loads(Path(cfg.paths.export_metrics).read_text())["export"] == m
     assert m["onnx"]["agreement"] >= 0.999 and m["onnx"]["max_prob_diff"] < 1e-4
     assert set(m["int8"]["latency_ms"]) == {"batch_1", "batch_8"} and m["int8"]["size_mb"] < m["onnx"]["size_mb"]
+    # the INT8 copy is made for the CPU kind it runs on here, and says so
+    assert m["int8"]["made_for"] == cpu_int8_kind() and m["cpu_vnni"] == (cpu_int8_kind() == "x86-vnni")
+    assert m["load_average"] >= 0
     # a client that knows nothing of ddpipe: ONNX Runtime, the raw uint8 test images, the metadata's class names
     images = np.load(prepared / "test.images.npy")
     labels = np.load(prepared / "test.labels.npy")
@@ -64,6 +68,9 @@ def test_the_default_network_exports_onnx_and_int8_that_a_plain_client_scores_as
                                 for a in range(0, len(images), 7)])
         assert np.allclose(probs.sum(1), 1.0, atol=1e-4)
         assert abs(float((probs.argmax(1) == labels).mean()) - evaluated) <= tolerance, path
+        # the same answers whatever the batch: kernels that saturate would make them depend on its shape
+        whole = session.run(None, {graph_input.name: images})[0]
+        assert (whole.argmax(1) == probs.argmax(1)).all() and np.abs(whole - probs).max() < 1e-4, path
         assert json.loads(session.get_modelmeta().custom_metadata_map["classes"]) == [str(i) for i in range(10)]
     # registered with the training's version, which takes the alias now that its exports passed
     client = _client(cfg)
@@ -73,6 +80,42 @@ def test_the_default_network_exports_onnx_and_int8_that_a_plain_client_scores_as
     assert artifacts == {"export/model.onnx", "export/model.int8.onnx"}
     run = client.get_run(version.run_id).info  # the training's run keeps the end it had
     assert run.status == "FINISHED" and run.end_time is not None
+
+
+def test_an_int8_copy_made_for_another_cpu_kind_holds_its_weights_type_and_says_so_where_served(
+        trained: list[str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``export.int8_cpu`` names the CPUs the copy is for: one for x86 CPUs without VNNI holds uint8 weights (uint8 x
+    int8 sums saturate there), one for VNNI int8 weights; the graph, the metrics and the served model say which."""
+    import onnx
+
+    from ddpipe.export.stage import export
+    from ddpipe.models.onnx_served import OnnxClassifier
+    from ddpipe.models.saved import INT8_CPU_KEY, INT8_WEIGHTS
+
+    here = cpu_int8_kind()
+    for kind in ("x86-vnni", "x86-no-vnni"):
+        out = tmp_path / kind
+        cfg = load_config([*trained, f"export.int8_cpu={kind}", f"paths.onnx={out}.onnx",
+                           f"paths.onnx_int8={out}.8.onnx", f"paths.export_metrics={out}.json",
+                           "mlflow.log_model=false", "export.max_int8_accuracy_drop=1.0"], params_file=PARAMS)
+        m = export(cfg)["export"]
+        assert m["int8"]["made_for"] == kind
+        graph = onnx.load(cfg.paths.onnx_int8)
+        assert {p.key: p.value for p in graph.metadata_props}[INT8_CPU_KEY] == kind
+        initializers = {i.name: i for i in graph.graph.initializer}
+        dequantized = {n.output[0]: n.input[0] for n in graph.graph.node if n.op_type == "DequantizeLinear"}
+        convs = [n for n in graph.graph.node if n.op_type == "Conv"]
+        conv_weights = {initializers[dequantized[n.input[1]]].data_type for n in convs}
+        assert conv_weights == {onnx.TensorProto.INT8 if INT8_WEIGHTS[kind] == "int8" else onnx.TensorProto.UINT8}
+        said = capsys.readouterr().out
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            OnnxClassifier(cfg.paths.onnx_int8)
+        if kind == here:
+            assert "note: the INT8 copy is made for" not in said and not caught
+        else:
+            assert f"note: the INT8 copy is made for {kind} CPUs (export.int8_cpu) and checked here on a {here}" in said
+            assert any(f"made for {kind} CPUs and runs on a {here} CPU" in str(w.message) for w in caught)
 
 
 def test_the_served_onnx_model_answers_a_raw_image_request_as_the_pytorch_one(trained: list[str]) -> None:

@@ -234,9 +234,12 @@ def test_a_sweep_of_four_at_once_two_on_two_nodes_with_their_evaluations(server:
     assert all(p.returncode == 0 for p in evals), "\n".join(o[-3000:] for o in outs)
     exports = [subprocess.Popen(["python", "stages/export.py", *args_for(d, prepared, "mlflow.tracking_uri=null",
                                                                          "mlflow.registered_model_name=team-classifier",
-                                                                         *LIGHT_EXPORT)],
+                                                                         "export.int8=false", *LIGHT_EXPORT)],
                                 cwd=ROOT, env=subprocess_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True) for d in dirs]  # the alias moves here, once a version's exports passed
+    # (fp32 only: the INT8 copy of a 2-epoch, width-8 network disagrees with it on 2.5-3.5% of these 200 images, near
+    # ties, with every calibration tried and on AMX and VNNI alike, so its 1-point check would grade noise; INT8
+    # quality is test_export.py's)
     outs += [p.communicate(timeout=600)[0] for p in exports]
     assert all(p.returncode == 0 for p in exports), "\n".join(o[-3000:] for o in outs)
     text = "\n".join(outs)

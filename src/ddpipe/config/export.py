@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from ddpipe.config.param import ConfigError, param
 
 FORMATS = ("onnx",)  # what export.formats names; the INT8 copy is export.int8's
+# export.int8_cpu: the CPUs an INT8 copy is made for (ddpipe.core.devices.cpu_int8_kind names the one that runs)
+INT8_CPUS = ("auto", "x86-vnni", "x86-no-vnni", "other")
 
 
 @dataclass
@@ -22,6 +24,12 @@ class ExportConfig:
         True, "Also a static INT8 copy (paths.onnx_int8: ONNX Runtime's quantize_static, QDQ, per-channel weights), "
         "calibrated on calibration_images images of calibration_split. Off: drop paths.onnx_int8 from the export "
         "stage's outs in dvc.yaml too (DVC fails a stage whose output is missing).")
+    int8_cpu: str = param(
+        "auto", "The CPUs the INT8 copy is made for: x86-vnni (AVX512-VNNI, AVX-VNNI or AMX: uint8 activations x int8 "
+        "weights, the fast kernels), x86-no-vnni (AVX2 or AVX-512 without VNNI, whose uint8 x int8 kernels saturate: "
+        "uint8 weights), other (ARM and the rest: as x86-vnni); auto: the CPU the stage runs on. Recorded in the "
+        "graph's metadata, metrics and the model version's tags; a copy served on another kind says so.",
+        choices=INT8_CPUS, trajectory=False)
     opset: int = param(18, "ONNX opset of the graphs: the dynamo exporter writes 18 and later, up to the newest the "
                        "installed onnx knows (the stage checks it before any work).", ge=18)
     calibration_split: str = param(
@@ -31,7 +39,8 @@ class ExportConfig:
     latency_batch_sizes: list[int] = field(default_factory=lambda: [1, 64], metadata={
         "doc": "Batch sizes at which the stage times each format on the CPU (p50 and p99 per batch).",
         "trajectory": False, "words": "a non-empty list of integers >= 1"})
-    latency_runs: int = param(30, "Timed runs per format and batch size (after 3 untimed).", ge=1)
+    latency_runs: int = param(30, "Timed runs per format and batch size (after 3 untimed); 0: not timed (no "
+                              "latency_ms in the metrics).", ge=0)
     min_agreement: float = param(
         0.999, "fp32 graphs: the least share of test images whose top-1 class equals the PyTorch model's; below it "
         "the stage fails and writes nothing.", ge=0.0, le=1.0)

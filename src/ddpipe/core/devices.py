@@ -9,8 +9,11 @@ since they change the float rounding.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -32,6 +35,36 @@ def cpu_supports_bf16() -> bool:
 def cpu_has_amx() -> bool:
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(amx and amx())
+
+
+# The x86 instructions that multiply uint8 by int8 and add into int32 without an int16 step: AVX512-VNNI, AVX-VNNI,
+# AMX-INT8 (as /proc/cpuinfo names them). Without one, ONNX Runtime's U8S8 kernels use VPMADDUBSW, whose int16 pair
+# sums saturate: an INT8 graph's answers then depend on the data and on which kernel a batch's shape picks.
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux's /proc/cpuinfo lists them; empty where there is no such file."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        return frozenset()
+    for line in cpuinfo.read_text(errors="replace").splitlines():
+        if line.startswith(("flags", "Features")):  # x86 | ARM
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def cpu_int8_kind() -> str:
+    """How this CPU multiplies 8-bit integers: ``x86-vnni`` (VNNI or AMX: exact int32 sums), ``x86-no-vnni`` (AVX2 or
+    AVX-512 without VNNI: int16 pair sums that saturate), or ``other`` (ARM and the rest, whose dot products
+    accumulate in int32). Without /proc/cpuinfo, torch's own probe decides on x86."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86"):
+        return "other"
+    flags = cpu_flags()
+    probe = getattr(torch.cpu, "_is_vnni_supported", None)
+    vnni = any(f in flags for f in VNNI_FLAGS) if flags else bool(probe and probe()) or cpu_has_amx()
+    return "x86-vnni" if vnni else "x86-no-vnni"
 
 
 def deterministic_kernels(device: torch.device) -> None:

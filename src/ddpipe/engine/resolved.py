@@ -23,7 +23,7 @@ from ddpipe.config.schema import (
     ModelConfig,
     TrainConfig,
 )
-from ddpipe.core.devices import PrecisionPolicy, cpu_count, cpu_has_amx, cpu_supports_bf16
+from ddpipe.core.devices import PrecisionPolicy, cpu_count, cpu_has_amx, cpu_int8_kind, cpu_supports_bf16
 from ddpipe.data.encoding import SMALL_IMAGE_SIDE
 from ddpipe.data.loaders import TrainingData, Views
 from ddpipe.data.store import Prepared, load_meta
@@ -259,6 +259,11 @@ def loader_workers(setting: str, encoding: str, device: torch.device, cores: int
     if encoding == "raw" and not per_image:
         return 0
     return max(1, cores - 1) if device.type == "cuda" else max(1, cores // 2)
+
+
+def int8_target(setting: str) -> str:
+    """The CPU kind an INT8 copy is made for (``export.int8_cpu``; auto: the CPU this process runs on)."""
+    return cpu_int8_kind() if setting == "auto" else setting
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:

@@ -41,14 +41,15 @@ class Score:
                "max_prob_diff": self.max_prob_diff}
         if path is not None:
             out["size_mb"] = round(path.stat().st_size / 1e6, 3)
-        return {**out, "latency_ms": self.latency_ms}
+        return {**out, **({"latency_ms": self.latency_ms} if self.latency_ms else {})}
 
 
 def score(batches: Callable[[], object], classifier: ImageClassifier, graphs: dict[str, Path],
           threads: int) -> dict[str, Score]:
     """``pytorch`` and each of ``graphs`` (format -> file) over the batches ``batches()`` yields (uint8 images,
     labels, ...); the PyTorch model is every format's reference."""
-    sessions = {name: OnnxClassifier(path, threads) for name, path in graphs.items()}
+    # a throughput run, not a latency one: threads that sleep between batches leave the cores to whoever shares them
+    sessions = {name: OnnxClassifier(path, threads, spin=False) for name, path in graphs.items()}
     scores = {name: Score() for name in ("pytorch", *graphs)}
     for images, labels, *_ in batches():
         batch, y = images.numpy(), labels.numpy()

@@ -19,12 +19,12 @@ import numpy as np
 import torch
 
 from ddpipe.config.schema import Config, ConfigError
-from ddpipe.core.devices import cpu_count
+from ddpipe.core.devices import cpu_count, cpu_int8_kind
 from ddpipe.core.files import atomic_write_json
 from ddpipe.data.loaders import BatchKey, Splits
 from ddpipe.data.store import PreparedDataError, load_meta
 from ddpipe.engine.evaluation import TestSplit
-from ddpipe.engine.resolved import eval_batch_size
+from ddpipe.engine.resolved import eval_batch_size, int8_target
 from ddpipe.export.check import latency, score
 from ddpipe.export.graph import export_onnx
 from ddpipe.export.int8 import CALIBRATION_BATCH, quantize
@@ -67,9 +67,15 @@ def export(cfg: Config) -> dict:
         staged = {name: Path(tmp) / path.name for name, path in targets.items()}
         export_onnx(classifier.model, classifier.saved, staged["onnx"], cfg.export.opset)
         print(f"export: {cfg.paths.onnx} written ({staged['onnx'].stat().st_size / 1e6:.1f} MB); checking", flush=True)
+        cpu = int8_target(cfg.export.int8_cpu)
         if "int8" in staged:
-            quantize(staged["onnx"], staged["int8"], calibration_batches(cfg, classifier))
+            quantize(staged["onnx"], staged["int8"], calibration_batches(cfg, classifier), cpu)
+            if cpu != cpu_int8_kind():
+                print(f"note: the INT8 copy is made for {cpu} CPUs (export.int8_cpu) and checked here on a "
+                      f"{cpu_int8_kind()} CPU: its figures are this CPU's answers", flush=True)
         metrics = measure(cfg, classifier, staged, threads)
+        if "int8" in staged:
+            metrics["export"]["int8"]["made_for"] = cpu
         failures = verdict(cfg, metrics)
         _log_to_run(cfg, metrics, failures, staged)
         if failures:
@@ -107,12 +113,17 @@ def measure(cfg: Config, classifier: ImageClassifier, graphs: dict[str, Path], t
     finally:
         test.close()
     sizes, runs = list(cfg.export.latency_batch_sizes), cfg.export.latency_runs
-    scores["pytorch"].latency_ms = latency(classifier.probabilities, sample, sizes, runs)
-    for name, path in graphs.items():
-        scores[name].latency_ms = latency(OnnxClassifier(path, threads).probabilities, sample, sizes, runs)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    if runs:  # 0: not timed (a check that reads no latency pays for none)
+        scores["pytorch"].latency_ms = latency(classifier.probabilities, sample, sizes, runs)
+        for name, path in graphs.items():
+            scores[name].latency_ms = latency(OnnxClassifier(path, threads).probabilities, sample, sizes, runs)
     out = {name: scores[name].metrics(graphs.get(name)) for name in ("pytorch", *graphs)}
     out["pytorch"].update(agreement=1.0, max_prob_diff=0.0)
-    return {"export": {**out, "num_samples": scores["pytorch"].count, "threads": threads}}
+    # the host's load beside the latencies: a figure timed beside other work is not the model's
+    timed = {"load_average": round(load, 2)} if runs and load is not None else {}
+    return {"export": {**out, "num_samples": scores["pytorch"].count, "threads": threads,
+                       "cpu_vnni": cpu_int8_kind() == "x86-vnni", **timed}}
 
 
 def verdict(cfg: Config, metrics: dict) -> list[str]:
@@ -143,8 +154,9 @@ def _log_to_run(cfg: Config, metrics: dict, failures: list[str], graphs: dict[st
     figures = {f"{name}_{key}": round(m[name][key], 6) for name in graphs for key in ("accuracy", "agreement")}
     tracker = RunLogger(cfg.mlflow, run_id)
     tracker.log_metrics({f"export_{key}": value for key, value in figures.items()})
+    made_for = {"int8_made_for": m["int8"]["made_for"]} if "int8" in m else {}  # a tag of the version, not a metric
     registered = cfg.mlflow.registered_model_name if cfg.mlflow.log_model else None
     tracker.log_champion("export", graphs={} if failures else {k: str(v) for k, v in graphs.items()},
                          model_name=registered, alias=cfg.mlflow.champion_alias, passed=not failures,
-                         why="; ".join(failures), figures=figures)
+                         why="; ".join(failures), figures={**figures, **made_for})
     tracker.close()

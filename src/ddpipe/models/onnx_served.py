@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +23,22 @@ import numpy as np
 import pandas as pd
 from mlflow.pyfunc import PythonModelContext
 
-from ddpipe.models.saved import INPUT_NAME, OUTPUT_NAME
+from ddpipe.core.devices import cpu_int8_kind
+from ddpipe.models.saved import INPUT_NAME, INT8_CPU_KEY, INT8_WEIGHTS, OUTPUT_NAME
 from ddpipe.models.served import ImageInput, prediction_frame, prediction_schema
 
 
-def ort_session(path: str | Path, threads: int | None = None) -> Any:
-    """An ONNX Runtime CPU session of ``path`` (``threads``: intra-op threads; None: ONNX Runtime's choice)."""
+def ort_session(path: str | Path, threads: int | None = None, spin: bool = True) -> Any:
+    """An ONNX Runtime CPU session of ``path`` (``threads``: intra-op threads; None: ONNX Runtime's choice).
+    ``spin=False``: idle threads sleep instead of spinning between runs, which costs a little latency and saves the
+    cores that spinning burns when other processes share them (several exports on one host)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
+    if not spin:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
@@ -41,8 +47,8 @@ class OnnxClassifier(ImageInput):
 
     predict_batch = 256
 
-    def __init__(self, path: str | Path, threads: int | None = None) -> None:
-        self.session = ort_session(path, threads)
+    def __init__(self, path: str | Path, threads: int | None = None, spin: bool = True) -> None:
+        self.session = ort_session(path, threads, spin)
         meta = self.session.get_modelmeta().custom_metadata_map
         if "classes" not in meta:
             raise ValueError(f"{path}: no ddpipe metadata (classes, image_size): not an export of ddpipe's")
@@ -50,6 +56,13 @@ class OnnxClassifier(ImageInput):
         super().__init__(int(meta["num_channels"]), tuple(json.loads(meta["image_size"])), meta["encoding"],
                          float(meta["eval_crop_ratio"]))
         self.exported_epoch = json.loads(meta.get("exported_epoch", "null"))
+        made_for, here = meta.get(INT8_CPU_KEY), cpu_int8_kind()
+        if made_for in INT8_WEIGHTS and made_for != here:
+            drifts = INT8_WEIGHTS[made_for] == "int8" and INT8_WEIGHTS[here] == "uint8"  # saturating kernels here
+            warnings.warn(f"{path}: this INT8 graph was made for {made_for} CPUs and runs on a {here} CPU: " + (
+                "its answers may differ from those its export checked" if drifts else
+                "the same answers, slower than a copy made for this CPU") + " (export.int8_cpu makes one for it)",
+                stacklevel=2)
 
     def probabilities(self, batch: np.ndarray) -> np.ndarray:
         """``[N, classes]`` probabilities of a uint8 ``N x C x H x W`` batch at the graph's size."""

@@ -119,6 +119,13 @@ def load_model(path: str | Path) -> tuple[nn.Module, SavedModel]:
 
 # The exported graph's contract (ddpipe.export writes it, ddpipe.models.onnx_served and any client read it)
 INPUT_NAME, OUTPUT_NAME = "images", "probabilities"
+INT8_CPU_KEY = "int8_cpu"  # an INT8 graph's metadata: the CPU kind it is made for (ddpipe.core.devices.cpu_int8_kind)
+# An INT8 copy's weights by the CPU kind it is made for (activations are uint8 on all). ONNX Runtime's uint8 x int8
+# kernels on x86 without VNNI sum pairs of products in int16 (VPMADDUBSW), which saturates: such a copy's answers
+# drift there (an AVX2-only CPU emulated by qemu: 90.7% agreement with the fp32 graph against 98.9% on a VNNI CPU,
+# BENCHMARKS.md). uint8 x uint8 kernels widen first and sum in int32: the same answers on every x86 CPU, slower
+# than uint8 x int8 where VNNI is.
+INT8_WEIGHTS = {"x86-vnni": "int8", "x86-no-vnni": "uint8", "other": "int8"}
 ONNX_FORMAT = 1  # the metadata's layout, written as ddpipe.format
 
 
