@@ -260,10 +260,11 @@ def _start_in_own_session(cmd: list[str], log: IO[str]) -> subprocess.Popen:
 
 def _resumes_equal(cmd: list[str], tmp_path: Path, text: str,
                    uninterrupted: dict[str, torch.Tensor]) -> subprocess.CompletedProcess:
-    """After a kill whose log is ``text``: every rank stopped by the SIGTERM its watch sent, at one step of epoch 2,
-    after a checkpoint; ``cmd`` run again resumes at that step and ends bit-equal to ``uninterrupted``."""
+    """After a kill in epoch 2 whose log is ``text``: every rank stopped by the SIGTERM its watch sent, at one step
+    (of epoch 2, or of epoch 3 where epoch 2's remaining steps take less than the watch's look: 0.5 s an epoch on an
+    AMX CPU), after a checkpoint; ``cmd`` run again resumes at that step and ends bit-equal to ``uninterrupted``."""
     (sig, epoch, step), = set(STOPPED.findall(text))
-    assert sig == "SIGTERM" and epoch == "2", text[-3000:]
+    assert sig == "SIGTERM" and epoch in ("2", "3"), text[-3000:]
     resumed = run(cmd, env=CLONE_ENV)
     assert f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step}" in resumed.stdout
     print(f"stopped at epoch {epoch}, step {step}")
