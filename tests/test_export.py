@@ -88,10 +88,12 @@ def test_an_int8_copy_made_for_another_cpu_kind_holds_its_weights_type_and_says_
     int8 sums saturate there), one for VNNI int8 weights; the graph, the metrics and the served model say which."""
     import onnx
 
+    from ddpipe.config.export import INT8_CPUS
     from ddpipe.export.stage import export
     from ddpipe.models.onnx_served import OnnxClassifier
     from ddpipe.models.saved import INT8_CPU_KEY, INT8_WEIGHTS
 
+    assert set(INT8_WEIGHTS) == set(INT8_CPUS) - {"auto"}  # the schema's kinds are the ones a copy can be made for
     here = cpu_int8_kind()
     for kind in ("x86-vnni", "x86-no-vnni"):
         out = tmp_path / kind

@@ -21,7 +21,6 @@ from ddpipe.models.saved import INPUT_NAME, INT8_CPU_KEY, INT8_WEIGHTS
 CALIBRATION_BATCH = 32  # images per calibration run: the ranges are the same at any batch, memory is not
 
 
-
 def quantize(graph: Path, out: Path, images: Iterator[np.ndarray], cpu: str) -> None:
     """``graph`` as a static INT8 graph ``out`` for CPUs of kind ``cpu`` (a key of :data:`INT8_WEIGHTS`), calibrated
     on the uint8 batches ``images``; its metadata kept, and what it was made for added."""

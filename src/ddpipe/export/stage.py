@@ -67,13 +67,14 @@ def export(cfg: Config) -> dict:
         staged = {name: Path(tmp) / path.name for name, path in targets.items()}
         export_onnx(classifier.model, classifier.saved, staged["onnx"], cfg.export.opset)
         print(f"export: {cfg.paths.onnx} written ({staged['onnx'].stat().st_size / 1e6:.1f} MB); checking", flush=True)
-        cpu = int8_target(cfg.export.int8_cpu)
+        cpu, here = int8_target(cfg.export.int8_cpu), cpu_int8_kind()
         if "int8" in staged:
             quantize(staged["onnx"], staged["int8"], calibration_batches(cfg, classifier), cpu)
-            if cpu != cpu_int8_kind():
-                print(f"note: the INT8 copy is made for {cpu} CPUs (export.int8_cpu) and checked here on a "
-                      f"{cpu_int8_kind()} CPU: its figures are this CPU's answers", flush=True)
+            if cpu != here:
+                print(f"note: the INT8 copy is made for {cpu} CPUs (export.int8_cpu) and checked here on a {here} "
+                      "CPU: its figures are this CPU's answers", flush=True)
         metrics = measure(cfg, classifier, staged, threads)
+        metrics["export"]["cpu_vnni"] = here == "x86-vnni"
         if "int8" in staged:
             metrics["export"]["int8"]["made_for"] = cpu
         failures = verdict(cfg, metrics)
@@ -113,17 +114,16 @@ def measure(cfg: Config, classifier: ImageClassifier, graphs: dict[str, Path], t
     finally:
         test.close()
     sizes, runs = list(cfg.export.latency_batch_sizes), cfg.export.latency_runs
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    timed = {}
     if runs:  # 0: not timed (a check that reads no latency pays for none)
         scores["pytorch"].latency_ms = latency(classifier.probabilities, sample, sizes, runs)
         for name, path in graphs.items():
             scores[name].latency_ms = latency(OnnxClassifier(path, threads).probabilities, sample, sizes, runs)
+        if hasattr(os, "getloadavg"):  # the host's load beside the latencies: timed beside other work, not the model's
+            timed["load_average"] = round(os.getloadavg()[0], 2)
     out = {name: scores[name].metrics(graphs.get(name)) for name in ("pytorch", *graphs)}
     out["pytorch"].update(agreement=1.0, max_prob_diff=0.0)
-    # the host's load beside the latencies: a figure timed beside other work is not the model's
-    timed = {"load_average": round(load, 2)} if runs and load is not None else {}
-    return {"export": {**out, "num_samples": scores["pytorch"].count, "threads": threads,
-                       "cpu_vnni": cpu_int8_kind() == "x86-vnni", **timed}}
+    return {"export": {**out, "num_samples": scores["pytorch"].count, "threads": threads, **timed}}
 
 
 def verdict(cfg: Config, metrics: dict) -> list[str]:
