@@ -314,8 +314,9 @@ def _train_briefly(network: torch.nn.Module, prepared: Path, meta: dict, average
 def test_global_max_pooling_is_exported_as_a_reduction_that_answers_bit_for_bit() -> None:
     """resnet_small's and resnet_compact's AdaptiveMaxPool2d(1), which torch 2.11's exporter cannot translate,
     replaced in a copy by a max over height and width: the same answers to the bit, the caller's network untouched."""
-    from ddpipe.export.graph import GlobalMaxPool, exportable
+    from ddpipe.export.graph import exportable
     from ddpipe.models.catalog import build_model
+    from ddpipe.models.nets import GlobalMaxPool
 
     for name in ("resnet_small", "resnet_compact"):
         torch.manual_seed(0)

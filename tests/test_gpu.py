@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ddpipe.config.load import load_config
-from ddpipe.core.devices import PrecisionPolicy
+from ddpipe.core.devices import PrecisionPolicy, cuda_kernels
 from ddpipe.core.exits import EXIT_PREEMPTED
 from ddpipe.data.store import load_meta, open_split
 from ddpipe.data.transforms import BatchTransform
@@ -27,7 +27,7 @@ from ddpipe.distributed.batchnorm import convert_sync_batchnorm
 from ddpipe.engine.resolved import resolve, use_channels_last
 from ddpipe.models.nets import ResNetSmall
 from ddpipe.models.saved import load_model
-from tests.conftest import FIRST_EPOCH, ROOT, args_for, subprocess_env
+from tests.conftest import FIRST_EPOCH, ROOT, args_for, same_weights, subprocess_env, weights
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -50,6 +50,8 @@ def test_a_short_training_on_one_gpu(tiny_cfg, prepared: Path, precision: str) -
     cfg = _cfg(tiny_cfg, prepared, f"train.precision={precision}")
     metrics = train(resolve(cfg, this_device()))
     assert metrics["val_accuracy"] > 0.5, metrics
+    # train.deterministic false, the default: cuDNN times its algorithms, fp32 products in TF32
+    assert torch.backends.cudnn.benchmark and not torch.are_deterministic_algorithms_enabled()
     weights = torch.load(cfg.paths.model, map_location="cpu", weights_only=True)["state_dict"]
     assert all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point())
     newest = sorted(Path(cfg.paths.checkpoints).glob("ckpt-*.pt"))[-1]
@@ -69,9 +71,13 @@ def test_a_model_trained_on_the_gpu_loads_on_the_cpu_and_answers_the_same(tiny_c
     gpu_model = load_model(cfg.paths.model)[0].to(CUDA)
     images, idx = torch.from_numpy(open_split(prepared, "val").pixels(range(64))), torch.arange(64)
     transform = BatchTransform(saved.mean, saved.std, 0, False, 0, torch.device("cpu"), False)
-    with torch.no_grad():
-        on_cpu = cpu_model(transform(images, idx, None))
-        on_gpu = gpu_model(transform(images, idx, None).to(CUDA)).cpu()
+    cuda_kernels(CUDA, deterministic=True)  # fp32 as the CPU computes it (the training left TF32 on)
+    try:
+        with torch.no_grad():
+            on_cpu = cpu_model(transform(images, idx, None))
+            on_gpu = gpu_model(transform(images, idx, None).to(CUDA)).cpu()
+    finally:
+        cuda_kernels(CUDA, deterministic=False)
     torch.testing.assert_close(on_gpu, on_cpu, rtol=1e-3, atol=1e-3)
     assert torch.equal(on_gpu.argmax(1), on_cpu.argmax(1))
 
@@ -197,6 +203,24 @@ def test_a_compiled_training_on_the_gpu(tiny_cfg, prepared: Path) -> None:
 
     metrics = train(resolve(_cfg(tiny_cfg, prepared, "train.compile=true", "train.precision=bf16"), this_device()))
     assert metrics["val_accuracy"] > 0.5, metrics
+
+
+@pytest.mark.parametrize("network", ["resnet_small", "seed_cnn"])  # global max pooling | global average pooling
+def test_two_deterministic_trainings_on_the_gpu_end_bit_equal(tmp_path: Path, prepared: Path, network: str) -> None:
+    """train.deterministic=true: two launches of one config (each a fresh process: cuBLAS's workspace set before its
+    first call) end with the same weights to the bit, in bf16 autocast with channels_last, the CUDA default."""
+    ends = []
+    for name in ("first", "second"):
+        out = tmp_path / name
+        out.mkdir()
+        args = args_for(out, prepared, "train.deterministic=true", f"model.name={network}", "train.precision=bf16",
+                        *NO_MLFLOW)
+        done = subprocess.run([sys.executable, "-m", "ddpipe.launch", *args], cwd=ROOT, env=subprocess_env(),
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "backend nccl" in done.stdout + done.stderr, done.stdout[-3000:]
+        ends.append(weights(out / "model.pt"))
+    assert same_weights(*ends)
 
 
 def test_the_launcher_under_torchrun_with_nccl_stops_on_sigterm_and_resumes(tmp_path: Path, prepared: Path) -> None:

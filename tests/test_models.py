@@ -207,3 +207,24 @@ def test_the_launcher_says_when_dvc_yaml_misses_the_networks_file(repo_dir: Path
     assert capsys.readouterr().err == ""
     check("model.name=resnet18")
     assert "the small-image variant this name meant before is 'resnet18_cifar'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["resnet_small", "seed_cnn"])  # global max pooling | global average pooling
+def test_global_pools_as_reductions_answer_and_learn_as_the_adaptive_pools(name: str) -> None:
+    """train.deterministic on CUDA computes global pooling as reductions (their backward adds no atomics): the same
+    outputs and gradients as nn.AdaptiveMax/AvgPool2d(1), the same state dict."""
+    from ddpipe.models.nets import GlobalAvgPool, GlobalMaxPool, global_pools_as_reductions
+
+    torch.manual_seed(0)
+    network = build_model(ModelConfig(name=name, width=8), 1, 10)
+    swapped = build_model(ModelConfig(name=name, width=8), 1, 10)
+    swapped.load_state_dict(network.state_dict())
+    assert global_pools_as_reductions(swapped) is swapped and swapped.state_dict().keys() == network.state_dict().keys()
+    assert not any(isinstance(m, (nn.AdaptiveMaxPool2d, nn.AdaptiveAvgPool2d)) for m in swapped.modules())
+    assert any(isinstance(m, (GlobalMaxPool, GlobalAvgPool)) for m in swapped.modules())
+    x = torch.randn(4, 1, 28, 28)
+    for model in (network, swapped):
+        model(x).square().mean().backward()
+    torch.testing.assert_close(swapped(x), network(x), rtol=0, atol=1e-6)
+    for a, b in zip(network.parameters(), swapped.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7)

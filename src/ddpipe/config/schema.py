@@ -209,6 +209,11 @@ class TrainConfig:
         choices=("auto", "on", "off"),
     )
     compile: bool = param(False, "Wrap the model in torch.compile.")
+    deterministic: bool = param(
+        False, "CUDA: true = the same weights from the same seed, run after run (deterministic algorithms and "
+        "cuBLAS workspace, fixed cuDNN algorithms, no TF32, global pooling as reductions); false = fast (cuDNN "
+        "benchmark, TF32 for fp32). CPU runs are deterministic either way; distributed.exact implies it.",
+    )
     random_crop_padding: int = param(
         2, "Raw images' augmentation: pad by this many pixels, then crop back (0 = off).", ge=0)
     min_crop_scale: str = param(

@@ -67,11 +67,30 @@ def cpu_int8_kind() -> str:
     return "x86-vnni" if vnni else "x86-no-vnni"
 
 
-def deterministic_kernels(device: torch.device) -> None:
-    """cuDNN picks fixed, deterministic algorithms: the same result for a given seed and world size."""
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = False
-        torch.backends.cudnn.deterministic = True
+# cuBLAS's workspace configuration under which its results are deterministic (CUDA's "Results reproducibility")
+CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+
+
+def cuda_kernels(device: torch.device, deterministic: bool) -> None:
+    """How CUDA picks this process's kernels (``train.deterministic``). Deterministic: fixed cuDNN algorithms,
+    ``torch.use_deterministic_algorithms`` (an op with no deterministic kernel raises, naming itself), cuBLAS's
+    deterministic workspace (before its first call in this process) and fp32 kept fp32. Otherwise: cuDNN times its
+    algorithms for each new shape (``cudnn.benchmark``), and fp32 matmuls and convolutions use TF32. Set both ways,
+    since these switches are the process's: a training run in-process after another gets its own. On the CPU
+    nothing changes: its kernels are run-to-run deterministic at a given thread count."""
+    if device.type != "cuda":
+        return
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
+    torch.backends.cudnn.benchmark = not deterministic
+    torch.backends.cudnn.deterministic = deterministic
+    torch.use_deterministic_algorithms(deterministic)
+    fp32 = "ieee" if deterministic else "tf32"
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9
+        torch.backends.cuda.matmul.fp32_precision = fp32
+        torch.backends.cudnn.conv.fp32_precision = fp32
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not deterministic
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpipe.core.devices import PrecisionPolicy, deterministic_kernels
+from ddpipe.core.devices import PrecisionPolicy, cuda_kernels
 from ddpipe.core.exits import Preempted
 from ddpipe.core.ranks import DistInfo
 from ddpipe.distributed import group as dd
@@ -39,6 +39,7 @@ from ddpipe.engine.pruning import after_stop as search_trial_after_stop
 from ddpipe.engine.resolved import Resolved
 from ddpipe.engine.selection import ModelSelection
 from ddpipe.engine.stage_outputs import TrainingOutputs, hold_training, save_outputs
+from ddpipe.models.nets import global_pools_as_reductions
 from ddpipe.tracking.system_metrics import NoSystemMetrics, monitor_node
 from ddpipe.tracking.tracker import make_tracker
 
@@ -53,7 +54,7 @@ class Trainer:
         self.stops = stops or StopRequests(info, cfg.distributed.timeout_s)  # asked at every step
         self.share = share or HostShare(cfg.distributed.threads_per_process, info.processes_on_host, enabled=False)
         self.compute = run.compute_on(info.device)
-        deterministic_kernels(info.device)
+        cuda_kernels(info.device, run.deterministic)
         network, self.module = placed_network(run, info, self.compute)
         self.finetune, self.pretrained = network.finetune, network.weights
         meta = replace(run.meta, mean=network.mean, std=network.std)  # the input the network expects
@@ -223,6 +224,8 @@ def placed_network(run: Resolved, info: DistInfo, compute: PrecisionPolicy) -> t
     network = build_network(run, info)
     for line in network.notes:
         dd.print0(line, info=info)
+    if run.deterministic and info.device.type == "cuda":
+        global_pools_as_reductions(network.module)
     return network, compute.place(network.module)
 
 
@@ -235,6 +238,7 @@ def derived_params(t: Trainer) -> dict[str, Any]:
         "device_kind": t.run.device_kind,  # the row of resolve.run.AUTO_CHOICES that `auto` took
         "host_sums": t.info.sums if t.info.distributed else "none",
         "resolved_precision": t.compute.precision, "channels_last": t.compute.channels_last,
+        "deterministic_kernels": t.run.deterministic and t.device.type == "cuda",
         "num_parameters": sum(p.numel() for p in t.module.parameters()),
         "threads_per_process_at_start": torch.get_num_threads(),
         "loader_workers": t.num_workers,  # data.num_workers resolved (resolve.run.loader_workers)

@@ -102,6 +102,11 @@ class Resolved:
         """The ``model`` section with its name concrete: what builds the network and what the saved model records."""
         return replace(self.cfg.model, name=self.model_name)
 
+    @property
+    def deterministic(self) -> bool:
+        """Fixed kernels on CUDA (``train.deterministic``; exact mode implies it)."""
+        return self.cfg.train.deterministic or self.cfg.distributed.exact
+
     def compute_on(self, device: torch.device) -> PrecisionPolicy:
         """How this run computes on ``device`` (a rank's own GPU, or the CPU)."""
         return PrecisionPolicy(device, self.precision, self.channels_last)

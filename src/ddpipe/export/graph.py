@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ddpipe.models.nets import global_pools_as_reductions
 from ddpipe.models.saved import INPUT_NAME, OUTPUT_NAME, SavedModel, onnx_metadata
 
 
@@ -46,26 +47,12 @@ class ExportedClassifier(nn.Module):
         return torch.softmax((pair[0] + pair[1]) / 2, dim=1)
 
 
-class GlobalMaxPool(nn.Module):
-    """``nn.AdaptiveMaxPool2d(1)``'s forward as a reduction, which every exporter translates (ONNX ReduceMax); torch
-    2.11's dynamo exporter has no translation of ``aten.adaptive_max_pool2d`` itself, and resnet_small and
-    resnet_compact end with one."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.amax(dim=(-2, -1), keepdim=True)
-
-
 def exportable(network: nn.Module) -> nn.Module:
-    """A copy of ``network`` with the layers the exporter may refuse replaced by ones that compute the same forward
-    (global max pooling); the weights, and the network the caller holds, unchanged."""
-    copied = copy.deepcopy(network)
-    for name, module in list(copied.named_modules()):
-        pooled_to_one = isinstance(module, nn.AdaptiveMaxPool2d) and module.output_size in (1, (1, 1)) and \
-            not module.return_indices
-        if pooled_to_one and name:
-            parent, _, child = name.rpartition(".")
-            setattr(copied.get_submodule(parent), child, GlobalMaxPool())
-    return copied
+    """A copy of ``network`` with the layers the exporter may refuse replaced by ones that compute the same forward:
+    global max pooling as a reduction, which every exporter translates (ONNX ReduceMax); torch 2.11's dynamo exporter
+    has no translation of ``aten.adaptive_max_pool2d`` itself, and resnet_small and resnet_compact end with one. The
+    weights, and the network the caller holds, unchanged."""
+    return global_pools_as_reductions(copy.deepcopy(network), average=False)
 
 
 def export_onnx(network: nn.Module, saved: SavedModel, path: Path, opset: int) -> None:

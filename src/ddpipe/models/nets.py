@@ -14,6 +14,35 @@ def _conv_bn(c_in: int, c_out: int, stride: int = 1) -> list[nn.Module]:
     return [nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True)]
 
 
+class GlobalMaxPool(nn.Module):
+    """``nn.AdaptiveMaxPool2d(1)``'s forward as a reduction."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.amax(dim=(-2, -1), keepdim=True)
+
+
+class GlobalAvgPool(nn.Module):
+    """``nn.AdaptiveAvgPool2d(1)``'s forward as a reduction."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=(-2, -1), keepdim=True)
+
+
+def global_pools_as_reductions(network: nn.Module, average: bool = True) -> nn.Module:
+    """``network`` with its global adaptive max pools (and, if ``average``, its average pools) replaced in place by
+    reductions that compute the same forward: exporters translate them, and their backward on CUDA is deterministic
+    (adaptive pooling's backward adds with atomics). No weights change."""
+    kinds = (nn.AdaptiveMaxPool2d, nn.AdaptiveAvgPool2d) if average else (nn.AdaptiveMaxPool2d,)
+    for name, module in list(network.named_modules()):
+        if not name or not isinstance(module, kinds) or module.output_size not in (1, (1, 1)) or \
+                getattr(module, "return_indices", False):
+            continue
+        parent, _, child = name.rpartition(".")
+        reduction = GlobalMaxPool() if isinstance(module, nn.AdaptiveMaxPool2d) else GlobalAvgPool()
+        setattr(network.get_submodule(parent), child, reduction)
+    return network
+
+
 class Residual(nn.Module):
     """x + f(x), with f two 3x3 conv-BN-ReLU layers (the post-activation of the last is kept:
     this is the ResNet-9 block that trains fast on small images)."""
