@@ -71,8 +71,11 @@ tracking-server: setup server-deps
 repro: setup
 	dvc repro
 
+# A test file per core at once (pytest-xdist; a file's tests stay together, so its module fixtures start once).
+# TEST_WORKERS=0: one process, in order.
+TEST_WORKERS ?= auto
 test: setup ui-deps slurm-deps server-deps ssh-deps
-	python -m pytest
+	python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The SLURM tests alone: a two-node cluster on this host runs, stops and requeues train.sbatch jobs.
 test-slurm: setup slurm-deps
@@ -85,7 +88,7 @@ test-gpu: setup
 	python -m pytest -v tests/test_gpu.py
 
 test-fast: setup
-	python -m pytest -m "not slow"
+	python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 lint: setup
 	ruff check src stages tests bench

@@ -64,3 +64,18 @@ def test_class_subset_values_are_checked_when_loaded(value: str) -> None:
     with pytest.raises(ConfigError, match="data.classes = .* is not accepted; expected null, an integer >= 2"):
         load_config([f"data.classes={value}"], params_file=PARAMS)
     assert load_config(["data.classes=[cat,dog]"], params_file=PARAMS).data.classes == ["cat", "dog"]
+
+
+def test_max_test_samples_keeps_a_stratified_subset_of_the_test_split_and_leaves_the_others() -> None:
+    """data.max_test_samples: a quick run's test split, each class in proportion, in source order; train and val as
+    without it (an official test set and a carved one alike)."""
+    is_test = np.zeros(len(LABELS), dtype=bool)
+    is_test[::5] = True
+    for marks in (is_test, None):
+        full = make_splits(LABELS, marks, DataConfig(val_fraction=0.2), seed=0)
+        cut = make_splits(LABELS, marks, DataConfig(val_fraction=0.2, max_test_samples=50), seed=0)
+        assert np.array_equal(cut["train"], full["train"]) and np.array_equal(cut["val"], full["val"])
+        assert len(cut["test"]) == 50 and np.all(np.diff(cut["test"]) > 0) and np.isin(cut["test"], full["test"]).all()
+        np.testing.assert_allclose(np.bincount(LABELS[cut["test"]], minlength=10),
+                                   np.bincount(LABELS[full["test"]], minlength=10) * 50 / len(full["test"]), atol=1)
+    assert make_splits(LABELS, is_test, DataConfig(max_test_samples=10_000), seed=0)["test"].size == is_test.sum()

@@ -44,9 +44,10 @@ class DataConfig:
         0.1, "imagefolder only (it has no official test split): share held out for the test split.",
         gt=0.0, lt=1.0,
     )
-    max_train_samples: Optional[int] = param(
-        None, "Keep a stratified subset of this many training samples (null = all).", ge=1
-    )
+    max_train_samples: Optional[int] = param(None, "A stratified subset of this many training samples (null: all).",
+                                             ge=1)
+    max_test_samples: Optional[int] = param(None, "A stratified subset of this many test samples (null: all): "
+                                            "quick runs, not figures to report.", ge=1)
     classes: Any = param(
         None, "Keep only some classes, relabelled 0..K-1: the first N (in the dataset's order: sorted folder "
         "names for imagefolder), or a list of class names (in the list's order); null = all. Recorded in meta.json.",

@@ -67,7 +67,7 @@ def make_splits(labels: np.ndarray, is_test: np.ndarray | None, cfg: DataConfig,
     """Positions (into ``labels``) of train, val and test. ``is_test`` marks an official test set; without
     one (a folder of one's own) ``data.test_fraction`` is carved first (seed + 1). Validation is
     ``data.val_fraction`` of the rest (seed), and ``data.max_train_samples`` a stratified subset of what
-    remains (seed + 2). Every split is in source order."""
+    remains (seed + 2), ``data.max_test_samples`` one of the test split (seed + 3). Every split is in source order."""
     if is_test is None:
         rest, test = split_indices(labels, cfg.test_fraction, seed + 1)
     else:
@@ -75,4 +75,6 @@ def make_splits(labels: np.ndarray, is_test: np.ndarray | None, cfg: DataConfig,
     train, val = split_indices(labels[rest], cfg.val_fraction, seed)
     if cfg.max_train_samples is not None and cfg.max_train_samples < len(train):
         train = train[stratified_pick(labels[rest][train], cfg.max_train_samples, seed + 2)]
+    if cfg.max_test_samples is not None and cfg.max_test_samples < len(test):
+        test = test[stratified_pick(labels[test], cfg.max_test_samples, seed + 3)]
     return {"train": rest[train], "val": rest[val], "test": test}
