@@ -254,7 +254,8 @@ def test_trajectory_leaves_out_exactly_the_keys_a_run_may_resume_across() -> Non
         "distributed.max_restarts", "distributed.timeout_s", "distributed.nproc_per_node", "distributed.nnodes",
         "distributed.rdzv_endpoint", "distributed.rdzv_id", "distributed.shutdown_timeout_s",
         "distributed.shared_memory", "train.progress_bar", "train.checkpoint_every_steps", "train.keep_checkpoints",
-        "train.eval_batch_size_per_rank", "train.export", "data.num_workers"}
+        "train.eval_batch_size_per_rank", "train.export", "data.num_workers",
+        "data.max_test_samples"}  # the test split: no training reads it
     expected = {k: v for k, v in flat.items() if k not in resumable}
     assert trajectory(cfg) == expected and list(trajectory(cfg)) == list(expected)
     assert json.dumps(trajectory(cfg)) == json.dumps(expected)  # same types: 1.0 stays 1.0

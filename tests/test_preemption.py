@@ -356,7 +356,9 @@ def test_sigkill_to_dvc_repro_leaves_a_step_checkpoint_and_the_next_repro_resume
     stops = set(STOPPED.findall(text))
     assert len(stops) == 1, f"not one stop at a step: {stops}\n{text[-3000:]}"
     (sig, epoch, step), = stops
-    assert sig == "SIGTERM" and int(step) > 0, text[-3000:]
+    # inside epoch 1, or at epoch 2's first step when the workers' poll of their launcher (every 0.5 s) came after
+    # epoch 1's last step: its 16 steps take under a second on a fast host, or one beside another test
+    assert sig == "SIGTERM" and (epoch, int(step) > 0) in (("1", True), ("2", False)), text[-3000:]
     assert (repro_clone / "dvc.lock").read_text() == lock
 
     again = run(["dvc", "repro"], cwd=repro_clone, env=CLONE_ENV, timeout=900)

@@ -183,17 +183,24 @@ def test_two_trainings_at_once_on_one_machine(tmp_path: Path, prepared: Path) ->
 @pytest.mark.slow
 def test_a_training_started_beside_another_takes_its_share_of_the_cores(tmp_path: Path, prepared: Path) -> None:
     """Alone, one process takes every core; with a 2-process training running on this 2-core host there
-    are 3 workers, so it drops to 1 thread at its first step, and says so (ddpipe.distributed.host_leases)."""
+    are 3 workers, so it drops to 1 thread at its first step, and says so (ddpipe.distributed.host_leases). Both
+    trainings keep their leases in a registry of their own (TMPDIR), so that a test beside this one, whose
+    trainings take their own cores, does not count; the thread count is left to the leases (null)."""
+    registry = {"TMPDIR": str(tmp_path / "tmp")}
+    (tmp_path / "tmp").mkdir()
+    shared = ("distributed.threads_per_process=null",)
     log = tmp_path / "long.log"
     with log.open("w") as out:
-        long = subprocess.Popen(torchrun(2, *args_for(tmp_path / "long", prepared, "num_epochs=200")), cwd=ROOT,
-                                env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        long = subprocess.Popen(torchrun(2, *args_for(tmp_path / "long", prepared, "num_epochs=200", *shared)),
+                                cwd=ROOT, env=subprocess_env(registry), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     try:
         deadline = time.time() + 300
         while "epoch 1/200" not in log.read_text() and long.poll() is None and time.time() < deadline:
             time.sleep(0.2)
         assert long.poll() is None, log.read_text()[-3000:]
-        out = run(["python", "stages/train_worker.py", *args_for(tmp_path / "short", prepared, "num_epochs=1")]).stdout
+        short = args_for(tmp_path / "short", prepared, "num_epochs=1", *shared)
+        out = run(["python", "stages/train_worker.py", *short], env=registry).stdout
     finally:
         os.killpg(long.pid, signal.SIGKILL)
         long.wait()

@@ -47,7 +47,7 @@ class DataConfig:
     max_train_samples: Optional[int] = param(None, "A stratified subset of this many training samples (null: all).",
                                              ge=1)
     max_test_samples: Optional[int] = param(None, "A stratified subset of this many test samples (null: all): "
-                                            "quick runs, not figures to report.", ge=1)
+                                            "quick runs, not figures to report.", ge=1, trajectory=False)
     classes: Any = param(
         None, "Keep only some classes, relabelled 0..K-1: the first N (in the dataset's order: sorted folder "
         "names for imagefolder), or a list of class names (in the list's order); null = all. Recorded in meta.json.",

@@ -66,6 +66,7 @@ ADDED_LATER: dict[str, Any] = {
     "train.sampler": "uniform", "train.ema_decay": None, "train.wd_norm_bias": True, "train.auto_augment": "none",
     "train.randaugment_ops": 2, "train.randaugment_magnitude": 9, "train.random_erasing": 0.0,
     "train.mixup_alpha": 0.0, "train.cutmix_alpha": 0.0, "train.mix_prob": 1.0, "train.mix_switch_prob": 0.5,
+    "train.deterministic": False,  # CUDA's kernels (ddpipe.core.devices.cuda_kernels)
 }
 
 
