@@ -1,8 +1,9 @@
 """``python -m ddpipe.search run``: ask the study for trials and run each as a DVC experiment, ``search.jobs`` at once,
 until the study holds ``search.trials`` finished ones (completed or pruned); the same command again continues it.
 
-Each trial is ``dvc exp run -n <study>-<number> -S key=value ... -S mlflow.sweep=<study>``: a DVC experiment of its
-own, run in a workspace of its own (:mod:`ddpipe.launch.workspace`: a clone of the repository at HEAD with the
+Each trial is ``dvc exp run -n <study>-<number> -S key=value ... -S mlflow.sweep=<study> train``: a DVC experiment of
+the train stage alone (never evaluate or export: the test split is for the chosen trial, once), run in a workspace of
+its own (:mod:`ddpipe.launch.workspace`: a clone of the repository at HEAD with the
 working tree's changes, DVC's cache shared), beside the others; on success its experiment ref is sent back to the
 repository. (``dvc exp run --temp`` runs share one DVC stash, and one takes whichever entry is first in it: started
 together, a trial could run another's params under its own trial.) Its MLflow run is a child of the study's parent
@@ -16,7 +17,8 @@ under its number, from that step: its checkpoints live in ``search/<study>/trial
 workspace (made again for each attempt, from the same commits). A driver that is stopped (SIGTERM, Ctrl-C) stops its
 trials so, and one that is killed leaves them to stop so (their workers follow their launcher); either way their
 trials stay RUNNING, and the next ``run`` on this host resumes each under its number (or records it, when its
-experiment was finished), before it asks for new ones.
+experiment was finished), before it asks for new ones. Several drivers may run one study at once (``study``: seeded
+apart, the ``first`` trials once, a dead driver's trial taken by one); a trial another finished is skipped (``tell``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The study of a search: its storage opened (and checked to answer), its sampler, created or continued, the trials a
-gone driver left RUNNING taken over (this host's) or failed and retried (a database's, silent), and the ``first``
-trials enqueued once."""
+"""The study of a search: its storage opened (and checked to answer), its sampler (seeded per driver), created or
+continued (with the metric and fixed params it started with), the trials a gone driver left RUNNING taken over (this
+host's, under a lock) or failed and retried (a database's, silent), and the ``first`` trials enqueued once in all."""
 
 from __future__ import annotations
 
