@@ -12,9 +12,11 @@ nothing), one after the other, with ``python -m ddpipe.search run``.
 
 Per study: epochs trained (deterministic: what pruning saved, whatever the host's load), train-seconds (the
 ``epoch_seconds`` MLflow holds for every epoch of every trial: the training loops, not validation or start-up),
-trial wall-seconds (each trial's start to end in the study: ``dvc exp run`` whole), the best trial (by the search's
-metric, ``val_accuracy``) and its test accuracy (the evaluate stage's ``metrics/test.json`` in its DVC experiment);
-trial 0 is today's defaults at the same epochs. Prints the machine and Markdown tables; appends to
+trial wall-seconds (each trial's start to end in the study: its ``dvc exp run`` of the train stage), the best trial
+(by the search's metric, ``val_accuracy``) and its test accuracy; trial 0 is today's defaults at the same epochs. A
+trial never runs the evaluate stage (issue 47), so after each study the best trial and trial 0 are each tested once
+here, outside the search: ``dvc exp apply`` of its experiment, ``dvc repro evaluate``, ``metrics/test.json`` read, the
+clone's working tree put back for the next study. Prints the machine and Markdown tables; appends to
 bench/results/search_compare.jsonl (each study as it ends). The clone is kept.
 """
 
@@ -53,12 +55,19 @@ def set_seed(clone: Path, seed: int) -> None:
         run_in_clone(["git", "commit", "-qm", f"bench: seed {seed}"], clone)
 
 
-def exp_test_accuracy(clone: Path, experiment: str) -> float | None:
+def tested_once(clone: Path, experiment: str) -> float | None:
+    """The test accuracy of ``experiment`` (a trial's: the train stage alone), measured once: applied, evaluated, read;
+    the clone's working tree then put back as it was. None when the trial left no experiment (pruned)."""
     refs = run_in_clone(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], clone)[0].split()
-    ref = next((r for r in refs if r.endswith(f"/{experiment}")), None)
-    if ref is None:
+    if not any(r.endswith(f"/{experiment}") for r in refs):
         return None
-    return json.loads(run_in_clone(["git", "show", f"{ref}:metrics/test.json"], clone)[0])["test"]["accuracy"]
+    run_in_clone(["dvc", "exp", "apply", experiment], clone)
+    try:
+        run_in_clone(["dvc", "repro", "evaluate"], clone)
+        return json.loads((clone / "metrics" / "test.json").read_text())["test"]["accuracy"]
+    finally:
+        run_in_clone(["git", "reset", "--hard", "-q"], clone)
+        run_in_clone(["dvc", "checkout", "--quiet", "--force"], clone)
 
 
 def measure(clone: Path, name: str) -> dict:
@@ -85,8 +94,8 @@ def measure(clone: Path, name: str) -> dict:
     return {"study": name, "trials": trials, "states": {s: sum(t["state"] == s for t in trials)
                                                          for s in ("COMPLETE", "PRUNED", "FAIL")},
             "epochs": epochs, "train_s": train_s, "wall_s": wall_s, "best_number": best.number,
-            "best_val": best.value, "best_test": exp_test_accuracy(clone, f"{name}-{best.number}"),
-            "defaults_val": study.trials[0].value, "defaults_test": exp_test_accuracy(clone, f"{name}-0")}
+            "best_val": best.value, "best_test": tested_once(clone, f"{name}-{best.number}"),
+            "defaults_val": study.trials[0].value, "defaults_test": tested_once(clone, f"{name}-0")}
 
 
 def main() -> None:

@@ -85,6 +85,17 @@ def test_a_search_section_becomes_a_plan(tmp_path: Path) -> None:
     ([LR, "search.storage=redis://db"], "search.storage = 'redis://db' is not accepted"),
     ([LR, "search.study=a/b"], "search.study = 'a/b' is not accepted"),
     (["search.space={}"], "search.space = {} is not accepted"),
+    # issue 47, item 6: a study whose values would not compare, or whose text does not parse
+    ([LR, "search.metric=val_loss"], "search.direction = 'maximize' is not accepted with search.metric = 'val_loss' "
+                                     "(lower is better); expected 'minimize'"),
+    ([LR, "search.metric=train_accuracy", "search.direction=minimize"],
+     "search.direction = 'minimize' is not accepted with search.metric = 'train_accuracy' (higher is better)"),
+    (["search.space.seed=int(1, 5)"], "search.space.seed = 'int(1, 5)' is not accepted: seed decides the validation "
+                                      "split"),
+    (["search.space.data.val_fraction=uniform(0.05, 0.2)"],
+     "search.space.data.val_fraction = 'uniform(0.05, 0.2)' is not accepted: data.val_fraction decides the validation"),
+    (["search.space.model.name=choice(resnet_small, [x)"], "search.space.model.name = 'choice(resnet_small, [x)' is "
+                                                          "not accepted; expected choice(x, y, ...) of plain values"),
 ])
 def test_bad_input_is_refused_naming_key_value_and_what_is_accepted(tmp_path: Path, overrides: list[str],
                                                                      message: str) -> None:
@@ -124,6 +135,47 @@ def test_a_storage_that_does_not_answer_fails_before_any_trial(tmp_path: Path, c
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_database_that_hangs_fails_in_seconds_naming_the_storage(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that takes the connection and never answers: exit 2 naming search.storage after the connect
+    timeout (here 2 s), not a wait without end; nothing written."""
+    import socket
+    import time
+
+    from ddpipe.engine import pruning
+    from ddpipe.search.cli import main
+
+    monkeypatch.setenv("DDPIPE_REPO_ROOT", str(tmp_path))
+    monkeypatch.setattr(pruning, "CONNECT_TIMEOUT_S", 2)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)  # the kernel completes the handshake; nobody ever reads or writes
+        url = f"postgresql+psycopg://nobody@127.0.0.1:{silent.getsockname()[1]}/optuna"
+        t0 = time.monotonic()
+        with pytest.raises(SystemExit) as exits:
+            main(["run", LR, f"search.storage={url}"])
+        waited = time.monotonic() - t0
+    assert exits.value.code == 2 and waited < 30, waited
+    err = capsys.readouterr().err
+    assert f"error: search.storage = '{url.replace('nobody@', '')}' does not answer or refuses us" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_continued_study_keeps_its_metric_and_fixed_params(tmp_path: Path) -> None:
+    """The study records what it started with; continued with another metric or another fixed param (one that shapes
+    the training, outside the space), it is refused naming what changed; the same again, or a change to the space's
+    own keys or the search section, continues it."""
+    from ddpipe.search.study import open_study
+
+    open_study(_plan(tmp_path, LR, "search.study=k", "num_epochs=3"))
+    open_study(_plan(tmp_path, LR, "search.study=k", "num_epochs=3", "train.base_lr=0.01", "search.trials=7"))
+    with pytest.raises(ConfigError, match=r"search.study = 'k' is continued with num_epochs = 4 \(its trials ran with "
+                                          r"3\).*; expected the study's own values back, or a new search.study"):
+        open_study(_plan(tmp_path, LR, "search.study=k", "num_epochs=4"))
+    with pytest.raises(ConfigError, match=r"search.metric = 'train_accuracy' \(its trials ran with 'val_accuracy'\)"):
+        open_study(_plan(tmp_path, LR, "search.study=k", "num_epochs=3", "search.metric=train_accuracy"))
+
+
 def test_trials_of_a_gone_driver_are_taken_over_under_their_numbers_once(tmp_path: Path) -> None:
     """A driver SIGKILLed leaves its trials RUNNING: the next run takes over those whose driver on this host is gone,
     to run them again under their numbers; a live driver's trial is left alone, and nothing is taken twice."""
@@ -142,10 +194,10 @@ def test_trials_of_a_gone_driver_are_taken_over_under_their_numbers_once(tmp_pat
     orphan, live = study.ask(dists), study.ask(dists)
     orphan.set_user_attr("driver", {"host": socket.gethostname(), "pid": dead.pid, "started": start_time(dead.pid)})
     live.set_user_attr("driver", {**driver_mark(), "pid": os.getppid(), "started": start_time(os.getppid())})
-    assert [t.number for t in orphans(study)] == [orphan.number]
+    assert [t.number for t in orphans(study, plan.storage)] == [orphan.number]
     assert [t.state for t in study.trials] == [optuna.trial.TrialState.RUNNING] * 2 and len(study.trials) == 2
     assert study.trials[orphan.number].user_attrs["driver"] == driver_mark()
-    assert orphans(study) == []  # taken: nothing twice
+    assert orphans(study, plan.storage) == []  # taken: nothing twice
 
 
 def test_a_trials_workspace_is_the_working_tree_in_a_repository_of_its_own(tmp_path: Path) -> None:
@@ -212,13 +264,17 @@ def _experiments(clone: Path) -> dict[str, dict]:
 @pytest.mark.slow
 def test_a_study_of_dvc_experiments_prunes_continues_and_names_its_best(repro_clone: Path) -> None:
     """4 trials, 2 at once, the third with a learning rate that cannot learn (pruned after epoch 1 of 2); then the
-    same command with search.trials=5 ends with exactly 5."""
+    same command with search.trials=5 ends with exactly 5. No trial touches the test split: each runs the train stage
+    only, no MLflow run holds a test metric, no experiment the evaluate stage's metrics file, and no model version is
+    registered though mlflow.registered_model_name is set; ``best --apply`` evaluates the chosen trial once, which
+    registers one version and takes the alias."""
     import optuna
     from mlflow import MlflowClient
 
     clone = repro_clone
     commit_params(clone, {
-        "mlflow.log_model": False, "search.study": "lr", "search.trials": 4, "search.jobs": 2,
+        "mlflow.log_model": True, "mlflow.registered_model_name": "clf",
+        "search.study": "lr", "search.trials": 4, "search.jobs": 2,
         "search.startup_trials": 1,
         "search.space": {"train.base_lr": "loguniform(1e-4, 1e-1)", "train.label_smoothing": "uniform(0.0, 0.2)"},
         "search.first": [{"train.base_lr": 0.003, "train.label_smoothing": 0.1},
@@ -257,6 +313,12 @@ def test_a_study_of_dvc_experiments_prunes_continues_and_names_its_best(repro_cl
         trial = study.trials[int(c.info.run_name.split("-")[1])]
         assert float(c.data.params["train.base_lr"]) == pytest.approx(trial.params["train.base_lr"]), c.info.run_name
     assert {c.info.status for c in children if c.info.run_name == "lr-2"} == {"KILLED"}
+    assert not [k for c in children for k in c.data.metrics if k.startswith("test")]
+    assert client.search_model_versions("name = 'clf'") == []
+    refs = run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], cwd=clone).stdout.split()
+    assert len([r for r in refs if r.count("/") >= 4]) == len(experiments)
+    for ref in (r for r in refs if r.count("/") >= 4):  # the baseline's test figures are not carried as the trial's
+        assert subprocess.run(["git", "cat-file", "-e", f"{ref}:metrics/test.json"], cwd=clone).returncode != 0, ref
     assert "optimization_history.png" in {a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(
         parent.info.run_id, "search")}
 
@@ -265,8 +327,18 @@ def test_a_study_of_dvc_experiments_prunes_continues_and_names_its_best(repro_cl
     assert best == {"number": top.number, "params": top.params, "value": top.value, "experiment": f"lr-{top.number}"}
     status = run(["python", "-m", "ddpipe.search", "status"], cwd=clone, env=CLONE_ENV).stdout
     assert "| 2 | PRUNED at epoch 1 |" in status and f"| lr-{top.number} |" in status
-    run(["dvc", "exp", "apply", best["experiment"]], cwd=clone, env=CLONE_ENV)
+    applied = run(["python", "-m", "ddpipe.search", "best", "--apply"], cwd=clone, env=CLONE_ENV, timeout=600).stdout
+    assert f"$ dvc exp apply lr-{top.number}" in applied and "$ dvc repro" in applied, applied
     assert "up to date" in run(["dvc", "status"], cwd=clone, env=CLONE_ENV).stdout.lower()
+    assert json.loads((clone / "metrics" / "test.json").read_text())["test"]["accuracy"] > 0.5
+    (chosen,) = [c for c in children if c.info.run_name == f"lr-{top.number}"]
+    trials = client.search_runs([exp.experiment_id],
+                                filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    tested = [c.info.run_name for c in trials if "test_accuracy" in c.data.metrics]
+    assert tested == [f"lr-{top.number}"], tested
+    (version,) = client.search_model_versions("name = 'clf'")
+    assert version.run_id == chosen.info.run_id and version.tags["export_passed"] == "true", version.tags
+    assert client.get_model_version_by_alias("clf", "champion").version == version.version
 
 
 def _launcher_of(driver: subprocess.Popen) -> psutil.Process:

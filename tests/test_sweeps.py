@@ -43,6 +43,24 @@ def test_an_unknown_sweep_is_a_clear_error(tmp_path: Path, capsys: pytest.Captur
     assert "mlflow.sweep = 'no-such-sweep': no parent run" in capsys.readouterr().err
 
 
+def test_a_searchs_study_is_refused_saying_its_trials_are_never_tested(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture) -> None:
+    """A search's parent run (its best trial tagged) holds trials that never ran the evaluate stage: the summary
+    says so and where to look, instead of averaging test metrics no trial has."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    exp = client.create_experiment("ddpipe")
+    parent = client.create_run(exp, tags={"ddpipe.sweep_parent": "true", "ddpipe.sweep": "lr",
+                                          "ddpipe.search.best_trial": "1 (lr-1)"}).info.run_id
+    client.create_run(exp, tags={"mlflow.parentRunId": parent, "ddpipe.sweep": "lr"})
+    with pytest.raises(SystemExit) as exits:
+        main(["lr", f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
+    assert exits.value.code == 2
+    assert "mlflow.sweep = 'lr' is the study of a search, whose trials are judged on validation and never tested" \
+        in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_queued_grid_is_one_parent_with_its_children_and_a_summary(repro_clone: Path) -> None:
     """`dvc exp run --queue -S mlflow.sweep=grid -S 'train.base_lr=...,...' -S 'seed=1,2'` queues 4

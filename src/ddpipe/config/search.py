@@ -22,13 +22,15 @@ class SearchConfig:
                        words="a word of letters, digits, _ and - (at most 63)")
     metric: str = param("val_accuracy", "The epoch metric a trial is judged by (reported after every validation; "
                         "a trial's value is its best epoch's).", words="an epoch metric the training logs")
-    direction: str = param("maximize", "Whether a larger metric is better.", choices=("maximize", "minimize"))
+    direction: str = param("maximize", "Whether a larger metric is better; it must agree with the metric (a loss "
+                           "minimizes, an accuracy maximizes).", choices=("maximize", "minimize"))
     trials: int = param(20, "Finished trials (completed or pruned) the study holds when `run` ends; running it "
                         "again continues the same study up to this number.", ge=1)
-    jobs: int = param(1, "Trials at once on this host (each a `dvc exp run` in a workspace of its own), sharing its "
-                      "cores and GPUs as `dvc queue start -j` does.", ge=1)
-    sampler: str = param("tpe", "Optuna's sampler, seeded from seed: tpe, random, or grid (every combination of "
-                         "choice and int distributions).", choices=("tpe", "random", "grid"))
+    jobs: int = param(1, "Trials at once on this host (each a `dvc exp run` of the train stage in a workspace of its "
+                      "own), sharing its cores and GPUs as `dvc queue start -j` does.", ge=1)
+    sampler: str = param("tpe", "Optuna's sampler, seeded from seed, the trials held and the driver (drivers side "
+                         "by side draw apart): tpe (with constant_liar), random, or grid (every combination of choice "
+                         "and int distributions).", choices=("tpe", "random", "grid"))
     pruner: str = param("median", "Optuna's pruner, asked after every epoch: median (below the median of earlier "
                         "trials at that epoch), hyperband, or none.", choices=("median", "hyperband", "none"))
     startup_trials: int = param(5, "median: trials that finish before any is pruned (Optuna's n_startup_trials).",
@@ -44,6 +46,7 @@ class SearchConfig:
     space: dict[str, Any] = field(default_factory=dict, metadata={
         "doc": "What the search varies: a parameter's dotted key to a distribution, e.g. {train.base_lr: "
                "loguniform(1e-4, 1e-1), train.label_smoothing: uniform(0.0, 0.2), train.grad_accum_steps: int(1, 4), "
-               "model.name: choice(resnet_small, resnet_compact)}.",
+               "model.name: choice(resnet_small, resnet_compact)}. Not seed or data.*: they decide the validation "
+               "split, and trials judged on different images do not compare.",
         "trajectory": False, "words": "a mapping of dotted keys to loguniform(a, b), uniform(a, b), int(a, b) or "
                                       "choice(x, y, ...)"})

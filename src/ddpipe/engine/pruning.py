@@ -23,8 +23,13 @@ from ddpipe.core.ranks import DistInfo
 from ddpipe.distributed import group as dd
 from ddpipe.engine.meters import EpochStats
 
+# A study's database that hangs (a firewall dropping packets, a server stuck): the driver says so naming
+# search.storage, and a training's rank 0 fails with the error instead of every rank waiting out the collective
+# timeout (issue 47)
+CONNECT_TIMEOUT_S = 10
 TRIAL_ENV = "DDPIPE_SEARCH_TRIAL"  # JSON: storage, study, trial (number), trial_id, metric, pruner, startup_trials,
-# checkpoints (the trial's own directory, beside the experiment's workspace) and attempt (the driver's count)
+# checkpoints (the trial's own directory, beside the experiment's workspace), attempt (the driver's count), stage (the
+# one stage a trial runs) and held_out (the evaluate and export stages' tracked files, kept out of its experiment)
 # The metrics a trial may be judged by: the epoch's own, as EpochStats logs them (the ema_ ones need train.ema_decay)
 EPOCH_METRICS = tuple(f.name for f in dataclasses.fields(EpochStats) if f.name != "epoch")
 
@@ -36,18 +41,24 @@ def trial_spec() -> dict[str, Any] | None:
 
 
 def trial_config(cfg: Any) -> Any:
-    """``cfg`` with ``paths.checkpoints`` at the trial's own directory (search/<study>/trial-<n>/checkpoints), which
-    outlives each attempt's workspace: a trial stopped by a signal or with its driver resumes there from
-    its step under the same number. Outside a search, ``cfg`` as it is."""
+    """``cfg`` as a search's trial trains it: no registered model version (``mlflow.registered_model_name`` None:
+    only the chosen trial, evaluated once after the search, registers one; issue 47), and ``paths.checkpoints`` at
+    the trial's own directory (search/<study>/trial-<n>/checkpoints), which outlives each attempt's workspace: a
+    trial stopped by a signal or with its driver resumes there from its step under the same number. Outside a
+    search, ``cfg`` as it is."""
     spec = trial_spec()
-    if not spec or not spec.get("checkpoints"):
+    if not spec:
+        return cfg
+    cfg = dataclasses.replace(cfg, mlflow=dataclasses.replace(cfg.mlflow, registered_model_name=None))
+    if not spec.get("checkpoints"):
         return cfg
     return dataclasses.replace(cfg, paths=dataclasses.replace(cfg.paths, checkpoints=spec["checkpoints"]))
 
 
 def open_storage(where: str, **rdb_options: Any) -> Any:
     """The study's Optuna storage: a database URL (``RDBStorage``, with ``rdb_options`` such as heartbeats) or the
-    path of a journal file (``JournalStorage``, which several processes on this host share through a lock file)."""
+    path of a journal file (``JournalStorage``, which several processes on this host share through a lock file). A
+    database server that accepts the connection and never answers fails after :data:`CONNECT_TIMEOUT_S`."""
     import optuna
 
     if "://" in where:
@@ -55,6 +66,8 @@ def open_storage(where: str, **rdb_options: Any) -> Any:
         # server extra installs and MLflow's server uses (postgresql+psycopg://), so a plain URL goes through it
         if where.startswith("postgresql://") and importlib.util.find_spec("psycopg2") is None:
             where = "postgresql+psycopg://" + where.removeprefix("postgresql://")
+        if where.split("+")[0].split(":")[0] in ("postgresql", "mysql"):
+            rdb_options["engine_kwargs"] = {"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}}
         return optuna.storages.RDBStorage(where, **rdb_options)
     Path(where).parent.mkdir(parents=True, exist_ok=True)
     return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(where))

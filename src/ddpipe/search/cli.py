@@ -4,6 +4,7 @@
     python -m ddpipe.search run --cluster                 # each trial a SLURM job (the cluster section), jobs at once
     python -m ddpipe.search status [search.study=NAME]    # every trial: state, params, value, epochs, experiment, run
     python -m ddpipe.search best [--json]                 # the best trial and its DVC experiment (dvc exp apply NAME)
+    python -m ddpipe.search best --apply                  # dvc exp apply of it, then dvc repro: tested once
     python -m ddpipe.search remove [--keep 10] [--dry-run] # the trials' DVC experiments but the best 10 completed ones
 
 ``search.key=value`` after the subcommand overrides the ``search`` section for this command. Other keys are refused
@@ -21,13 +22,13 @@ from pathlib import Path
 from ddpipe.config.command import load_or_exit
 from ddpipe.config.load import DEFAULT_PARAMS_FILE, user_errors
 from ddpipe.config.schema import Config, ConfigError
-from ddpipe.search.experiments import options, remove
+from ddpipe.search.experiments import apply_best, options, remove
 from ddpipe.search.space import Plan, make_plan
 from ddpipe.search.study import SearchError, load_study
 from ddpipe.tracking.store import repo_root
 
-USAGE = ("usage: python -m ddpipe.search run [--cluster]|status|best|remove [--json] [--keep N] [--dry-run] "
-         "[key=value ...]")
+USAGE = ("usage: python -m ddpipe.search run [--cluster]|status|best|remove [--json] [--apply] [--keep N] "
+         "[--dry-run] [key=value ...]")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
             where = f"DVC experiment {top['experiment']} (dvc exp apply {top['experiment']})" if top["experiment"] \
                 else "no DVC experiment (python -m ddpipe.search remove removed it)"
             print(json.dumps(top) if "--json" in argv else
-                  f"best: trial {top['number']}, {plan.settings.metric} {top['value']:.4f}, {top['params']}; {where}")
+                  f"best: trial {top['number']}, {plan.settings.metric} {top['value']:.4f}, {top['params']}; {where}",
+                  flush=True)
+            if "--apply" in argv:
+                return apply_best(top, root)
     return 0
 
 

@@ -1,8 +1,9 @@
 """``python -m ddpipe.search run``: ask the study for trials and run each as a DVC experiment, ``search.jobs`` at once,
 until the study holds ``search.trials`` finished ones (completed or pruned); the same command again continues it.
 
-Each trial is ``dvc exp run -n <study>-<number> -S key=value ... -S mlflow.sweep=<study>``: a DVC experiment of its
-own, run in a workspace of its own (:mod:`ddpipe.launch.workspace`: a clone of the repository at HEAD with the
+Each trial is ``dvc exp run -n <study>-<number> -S key=value ... -S mlflow.sweep=<study> train``: a DVC experiment of
+the train stage alone (never evaluate or export: the test split is for the chosen trial, once), run in a workspace of
+its own (:mod:`ddpipe.launch.workspace`: a clone of the repository at HEAD with the
 working tree's changes, DVC's cache shared), beside the others; on success its experiment ref is sent back to the
 repository. (``dvc exp run --temp`` runs share one DVC stash, and one takes whichever entry is first in it: started
 together, a trial could run another's params under its own trial.) Its MLflow run is a child of the study's parent
@@ -16,7 +17,8 @@ under its number, from that step: its checkpoints live in ``search/<study>/trial
 workspace (made again for each attempt, from the same commits). A driver that is stopped (SIGTERM, Ctrl-C) stops its
 trials so, and one that is killed leaves them to stop so (their workers follow their launcher); either way their
 trials stay RUNNING, and the next ``run`` on this host resumes each under its number (or records it, when its
-experiment was finished), before it asks for new ones.
+experiment was finished), before it asks for new ones. Several drivers may run one study at once (``study``: seeded
+apart, the ``first`` trials once, a dead driver's trial taken by one); a trial another finished is skipped (``tell``).
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ from ddpipe.launch import workspace
 from ddpipe.launch.cluster.queue import exp_ref, git
 from ddpipe.search import cluster as on_cluster
 from ddpipe.search.space import Plan, override_text
-from ddpipe.search.study import SearchError, close_stale, driver_mark, open_study, orphans
+from ddpipe.search.study import FIRST, SearchError, close_stale, driver_mark, first_of, open_study, orphans
 
 POLL_S = 1.0
+TRIAL_STAGE = "train"  # the one stage a trial runs (dvc.yaml's name of it)
 MAX_FAILED_IN_A_ROW = 3  # a search whose trainings keep failing stops instead of failing every trial
 
 
@@ -89,8 +92,11 @@ def settings(plan: Plan, trial: Any) -> list[str]:
 
 
 def command(plan: Plan, trial: Any) -> list[str]:
-    """The trial's ``dvc exp run`` (in its workspace): its params set, named after study and trial."""
-    return ["dvc", "exp", "run", "-n", experiment_name(plan.settings.study, trial.number), *settings(plan, trial)]
+    """The trial's ``dvc exp run`` of the train stage only (in its workspace): its params set, named after study and
+    trial. Never evaluate or export: a trial is judged by validation, and the test split is for the chosen trial,
+    once (issue 47)."""
+    return ["dvc", "exp", "run", "-n", experiment_name(plan.settings.study, trial.number), *settings(plan, trial),
+            TRIAL_STAGE]
 
 
 def finished(study: Any) -> int:
@@ -116,7 +122,7 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
     study = open_study(plan)
     check_names(plan, study, root)
     plan.folder.mkdir(parents=True, exist_ok=True)
-    resume = orphans(study)  # before close_stale, which would fail a database trial whose heartbeat went quiet
+    resume = orphans(study, plan.storage)  # before close_stale, which would fail a database trial gone quiet
     if resume:
         say(f"search {plan.settings.study}: trial(s) {', '.join(str(t.number) for t in resume)} lost their driver: "
             "resumed under the same number from their checkpoints")
@@ -196,6 +202,9 @@ def prepare_workspace(plan: Plan, trial: Any, root: Path, say: Any) -> Path:
     try:
         workspace.make(ws, str(root), commits[0], commits[1], cache=_cache_dir(root))
         workspace.quiet_shell(["dvc", "checkout", "--quiet"], cwd=ws, check=False)  # what the cache has
+        # the baseline's test and export figures out of the experiment: the trial never ran those stages
+        if plan.held_out:
+            workspace.quiet_shell(["git", "rm", "-r", "-q", "--ignore-unmatch", "--", *plan.held_out], cwd=ws)
     except (RuntimeError, OSError) as exc:
         raise SearchError(f"trial {trial.number}: its workspace {ws} could not be made: {exc}") from exc
     return ws
@@ -220,10 +229,7 @@ def start(plan: Plan, study: Any, root: Path, say: Any, resumed: Any = None,
           cluster: ClusterConfig | None = None) -> Running:
     """Ask the study for the next trial (or take ``resumed``, a trial to run again) and start its experiment: here,
     or as a job of ``cluster``'s scheduler."""
-    with warnings.catch_warnings():  # a database's heartbeat is recorded here, not by Study.optimize: it is meant
-        warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used", UserWarning)
-        warnings.filterwarnings("ignore", "Fixed parameter .* is out of range", UserWarning)  # run noted it already
-        trial = resumed if resumed is not None else study.ask({k: d.to_optuna() for k, d in plan.space.items()})
+    trial = resumed if resumed is not None else ask(plan, study, say)
     name = experiment_name(plan.settings.study, trial.number)
     attempt = int(trial.user_attrs.get("attempts", 0)) + 1
     trial.set_user_attr("driver", driver_mark())
@@ -232,7 +238,8 @@ def start(plan: Plan, study: Any, root: Path, say: Any, resumed: Any = None,
     spec = {"storage": plan.storage, "study": plan.settings.study, "trial": trial.number,
             "trial_id": trial._trial_id,  # Optuna's id of the trial (Trial(study, trial_id) opens it in the training)
             "metric": plan.settings.metric, "pruner": plan.settings.pruner,
-            "startup_trials": plan.settings.startup_trials, "attempt": attempt}
+            "startup_trials": plan.settings.startup_trials, "attempt": attempt,
+            "stage": TRIAL_STAGE, "held_out": list(plan.held_out)}  # what a cluster's job runs (launch.cluster.job)
     if cluster is None or cluster.storage == "shared":  # nodes that share nothing resume in the job's workspace
         spec["checkpoints"] = str(trial_folder(plan, trial.number) / "checkpoints")
     if cluster is not None:
@@ -253,6 +260,41 @@ def start(plan: Plan, study: Any, root: Path, say: Any, resumed: Any = None,
     return Running(trial, process, log, attempt)
 
 
+def ask(plan: Plan, study: Any, say: Any) -> Any:
+    """The study's next trial for this driver: an enqueued one (``first``) or the sampler's. A copy of a ``first``
+    trial that another driver, opening the new study at the same instant, enqueued too is failed unrun (its
+    ``failure`` says which trial runs it) and the study asked again: each ``first`` trial runs once in all."""
+    from optuna.trial import TrialState
+
+    while True:
+        with warnings.catch_warnings():  # a database's heartbeat is recorded here, not by Study.optimize: it is meant
+            warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used", UserWarning)
+            warnings.filterwarnings("ignore", "Fixed parameter .* is out of range", UserWarning)  # run noted it
+            trial = study.ask({k: d.to_optuna() for k, d in plan.space.items()})
+        if (runs_it := first_of(study, trial)) is None:
+            return trial
+        trial.set_user_attr("failure", f"a second copy of search.first[{trial.user_attrs[FIRST]}] (two drivers "
+                                       f"opened the new study at once): trial {runs_it} runs it")
+        study.tell(trial, state=TrialState.FAIL)
+        say(f"trial {trial.number}: not run, a copy of trial {runs_it} (search.first enqueued by two drivers at once)")
+
+
+def tell(study: Any, trial: Any, say: Any, value: float | None = None, state: Any = None) -> bool:
+    """``study.tell``; False, said, when another driver finished the trial first (a database driver that took it
+    over after this one's heartbeat went quiet): skipped, never a crash that would stop this driver's other trials."""
+    from optuna.exceptions import UpdateFinishedTrialError
+
+    try:
+        study.tell(trial, value, state=state)
+        return True
+    except (UpdateFinishedTrialError, ValueError):
+        now = study._storage.get_trial(trial._trial_id)  # Optuna keeps no public handle on the storage
+        if not now.state.is_finished():
+            raise
+        say(f"trial {trial.number}: already {now.state.name}, finished by another driver; not told again")
+        return False
+
+
 def again(plan: Plan, study: Any, root: Path, frozen: Any, say: Any,
           cluster: ClusterConfig | None = None) -> Running | None:
     """Run a stopped trial (a FrozenTrial, RUNNING) again under its number, from its checkpoints; or, when its
@@ -264,9 +306,9 @@ def again(plan: Plan, study: Any, root: Path, frozen: Any, say: Any,
     if frozen.intermediate_values and not send_back(plan, root, frozen.number):
         values = list(frozen.intermediate_values.values())
         value = max(values) if plan.settings.direction == "maximize" else min(values)
-        study.tell(trial, value)
-        say(f"trial {frozen.number}: its DVC experiment {name} was finished: completed, {plan.settings.metric} "
-            f"{value:.4f}")
+        if tell(study, trial, say, value):
+            say(f"trial {frozen.number}: its DVC experiment {name} was finished: completed, {plan.settings.metric} "
+                f"{value:.4f}")
         shutil.rmtree(trial_folder(plan, frozen.number), ignore_errors=True)
         return None
     return start(plan, study, root, say, resumed=trial, cluster=cluster)
@@ -301,7 +343,8 @@ def stop(process: subprocess.Popen | on_cluster.ClusterTrial) -> None:
 def record(plan: Plan, study: Any, root: Path, done: Running, say: Any) -> str:
     """Tell the study how ``done`` ended: COMPLETE with its best epoch's metric, PRUNED (the training said at which
     epoch), or FAIL; or nothing when its training was stopped by a signal (STOPPED: it runs again under its number).
-    Returns the state's name."""
+    Returns the state's name; SKIPPED when another driver finished the trial first (:func:`tell`)."""
+    from optuna.exceptions import UpdateFinishedTrialError
     from optuna.trial import TrialState
 
     frozen = study.trials[done.trial.number]
@@ -314,20 +357,21 @@ def record(plan: Plan, study: Any, root: Path, done: Running, say: Any) -> str:
     lost = send_back(plan, root, number) if code == 0 and values else ""
     if code == 0 and values and not lost:
         value = max(values) if plan.settings.direction == "maximize" else min(values)
-        study.tell(done.trial, value)
-        say(f"trial {number}: completed, {plan.settings.metric} {value:.4f}, DVC experiment {done.experiment}")
-        state = "COMPLETE"
+        state = "COMPLETE" if tell(study, done.trial, say, value) else "SKIPPED"
+        if state == "COMPLETE":
+            say(f"trial {number}: completed, {plan.settings.metric} {value:.4f}, DVC experiment {done.experiment}")
     elif "pruned_epoch" in frozen.user_attrs:
-        study.tell(done.trial, state=TrialState.PRUNED)
-        say(f"trial {number}: pruned after epoch {frozen.user_attrs['pruned_epoch']} (no DVC experiment)")
-        state = "PRUNED"
+        state = "PRUNED" if tell(study, done.trial, say, state=TrialState.PRUNED) else "SKIPPED"
+        if state == "PRUNED":
+            say(f"trial {number}: pruned after epoch {frozen.user_attrs['pruned_epoch']} (no DVC experiment)")
     else:
         tail = done.log.read_text(errors="replace").strip().splitlines()[-1:] if done.log.exists() else []
         why = f"dvc exp run exited {code}: {tail[0][:300] if tail else ''}" if code else lost or \
             f"the training reported no {plan.settings.metric} (is {TRIAL_ENV} reaching it?)"
-        done.trial.set_user_attr("failure", why)
-        study.tell(done.trial, state=TrialState.FAIL)
-        say(f"trial {number}: failed ({why}); log: {done.log}")
-        state = "FAIL"
+        with contextlib.suppress(UpdateFinishedTrialError):  # finished by another driver: tell() says so
+            done.trial.set_user_attr("failure", why)
+        state = "FAIL" if tell(study, done.trial, say, state=TrialState.FAIL) else "SKIPPED"
+        if state == "FAIL":
+            say(f"trial {number}: failed ({why}); log: {done.log}")
     shutil.rmtree(trial_folder(plan, number), ignore_errors=True)  # its checkpoints: the trial is over
     return state

@@ -133,6 +133,22 @@ def remove(study: Any, root: Path, removal: Removal) -> str:
     return "\n".join(lines) + "\n"
 
 
+def apply_best(best: dict[str, Any], root: Path) -> int:
+    """``best --apply``: the chosen trial evaluated once, ``dvc exp apply`` of its DVC experiment then ``dvc repro``
+    in ``root`` (its train stage is up to date; evaluate and export run, on the test split for the first time in the
+    search, and with ``mlflow.registered_model_name`` set its one version is registered and the alias moves as after
+    any training). Returns the first non-zero exit code, else 0; SearchError when ``remove`` removed the experiment."""
+    if not best["experiment"]:
+        raise SearchError(f"trial {best['number']}'s DVC experiment was removed (python -m ddpipe.search remove): "
+                          "nothing to apply; run its params again with dvc exp run -S ...")
+    for cmd in (["dvc", "exp", "apply", best["experiment"]], ["dvc", "repro"]):
+        print(f"$ {' '.join(cmd)}", flush=True)
+        if code := subprocess.run(cmd, cwd=root, stdin=subprocess.DEVNULL).returncode:
+            print(f"{' '.join(cmd)} exited {code}", flush=True)
+            return code
+    return 0
+
+
 def _dvc_remove(root: Path, refs: list[str]) -> None:
     """``dvc exp remove`` of ``refs`` (full refs: a name saved under two baselines is no ambiguity)."""
     done = subprocess.run(["dvc", "exp", "remove", *refs], cwd=root, text=True, capture_output=True,

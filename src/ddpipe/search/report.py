@@ -12,7 +12,7 @@ from ddpipe.core.errors import one_line
 from ddpipe.search.experiments import REMOVED
 from ddpipe.search.study import SearchError
 from ddpipe.tracking.store import bound_http_requests, experiment_id, open_client, sweep_parent, tracking_uri
-from ddpipe.tracking.sweeps import markdown
+from ddpipe.tracking.sweeps import SEARCH_TAG, markdown
 
 PLOTS = ("optimization_history", "parallel_coordinate", "param_importances")
 
@@ -101,6 +101,6 @@ def log_to_parent(cfg: Config, study: Any, files: list[Path]) -> str:
         top = best(study)
     except SearchError:
         return run_id
-    client.set_tag(run_id, "ddpipe.search.best_trial", f"{top['number']} ({top['experiment'] or 'experiment removed'})")
+    client.set_tag(run_id, SEARCH_TAG, f"{top['number']} ({top['experiment'] or 'experiment removed'})")
     client.log_metric(run_id, f"best_{cfg.search.metric}", float(top["value"]), step=len(study.trials))
     return run_id

@@ -5,6 +5,7 @@ is a :class:`~ddpipe.config.schema.ConfigError` naming the key, the value and wh
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from typing import Any, get_args
 
 import yaml
 
-from ddpipe.config.keys import FIELDS, flatten, flatten_mapping, is_section
+from ddpipe.config.keys import FIELDS, flatten, flatten_mapping, is_section, trajectory
 from ddpipe.config.load import load_config
 from ddpipe.config.rules import not_accepted
 from ddpipe.config.schema import Config, ConfigError
@@ -25,6 +26,11 @@ ACCEPTED = "loguniform(low, high) with 0 < low < high, uniform(low, high) or int
            "choice(x, y, ...)"
 # What a search never varies: where files go, how runs are tracked (mlflow.sweep is the study's), the search itself
 NOT_SEARCHED = ("paths.", "mlflow.", "cluster.", "search.")
+# What would make the trials' values incomparable: the seed and the data section decide the validation split (the
+# prepare stage's), so two trials varying them are judged on different images (issue 47)
+SPLIT_KEYS = ("seed", "data.")
+# Which way each kind of epoch metric is better, by the end of its name (lr has no better way: either is accepted)
+BETTER = {"loss": "minimize", "accuracy": "maximize", "seconds": "minimize", "images_per_s": "maximize"}
 _TEXT = re.compile(r"^\s*([a-z]+)\s*\((.*)\)\s*$", re.S)
 
 
@@ -72,6 +78,11 @@ class Plan:
     space: dict[str, Distribution]
     first: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)
+    # The evaluate and export stages' files that git tracks (paths.*): a trial runs the train stage only, and its
+    # experiment must not carry the baseline's test figures as if they were its own (issue 47)
+    held_out: tuple[str, ...] = ()
+    # The params every trial shares (those that shape a training, but the space's): a continued study must keep them
+    fixed: dict[str, Any] = field(default_factory=dict)
 
 
 def make_plan(cfg: Config, root: Path, params_file: str | Path | None) -> Plan:
@@ -90,7 +101,10 @@ def make_plan(cfg: Config, root: Path, params_file: str | Path | None) -> Plan:
                           f"{wide[0].text!r}; expected choice(...) or int(low, high) for every key of a grid")
     notes: list[str] = []
     first = _first_trials(cfg, space, params_file, notes)
-    return Plan(s, cfg.seed, storage_place(s, root), root / "search" / s.study, space, first, notes)
+    held_out = (cfg.paths.test_metrics, cfg.paths.per_class, cfg.paths.confusion, cfg.paths.reports,
+                cfg.paths.export_metrics)
+    fixed = json.loads(json.dumps({k: v for k, v in trajectory(cfg).items() if k not in space}, default=str))
+    return Plan(s, cfg.seed, storage_place(s, root), root / "search" / s.study, space, first, notes, held_out, fixed)
 
 
 def parse(key: str, text: Any, params_file: str | Path | None) -> Distribution:
@@ -105,12 +119,21 @@ def parse(key: str, text: Any, params_file: str | Path | None) -> Distribution:
     if key.startswith(NOT_SEARCHED):
         raise ConfigError(f"{where}: '{key}' is not accepted; expected a training parameter (not under "
                           f"{', '.join(p.rstrip('.') for p in NOT_SEARCHED)})")
+    if key == SPLIT_KEYS[0] or key.startswith(SPLIT_KEYS[1:]):
+        raise ConfigError(f"{where} = {text!r} is not accepted: {key} decides the validation split (the prepare "
+                          "stage's), so trials varying it would be judged on different images and their values "
+                          "would not compare; expected a training parameter (model.*, train.*, num_epochs, "
+                          "distributed.*); to try other data, run one study per setting")
     found = _TEXT.match(str(text))
     if not found or found[1] not in KINDS:
         raise not_accepted(where, text, ACCEPTED)
     kind, args = found[1], [a.strip() for a in found[2].split(",")]
     if kind == "choice":
-        choices = tuple(_scalar(a) for a in args if a)
+        try:
+            choices = tuple(_scalar(a) for a in args if a)
+        except yaml.YAMLError:
+            raise not_accepted(where, text, "choice(x, y, ...) of plain values: numbers, words, true or false, "
+                               "separated by commas") from None
         if not choices or len(set(map(repr, choices))) != len(choices):
             raise not_accepted(where, text, "choice(x, y, ...) of at least one value, each once")
         for value in choices:
@@ -168,6 +191,11 @@ def _check_metric(cfg: Config, space: dict[str, Distribution]) -> None:
     metric = cfg.search.metric
     if metric not in EPOCH_METRICS:
         raise not_accepted("search.metric", metric, "an epoch metric the training logs: " + ", ".join(EPOCH_METRICS))
+    better = next((way for end, way in BETTER.items() if metric.endswith(end)), cfg.search.direction)
+    if cfg.search.direction != better:
+        raise ConfigError(f"search.direction = {cfg.search.direction!r} is not accepted with search.metric = "
+                          f"{metric!r} ({'lower' if better == 'minimize' else 'higher'} is better); expected "
+                          f"{better!r}")
     if metric.startswith("ema_") and cfg.train.ema_decay is None and "train.ema_decay" not in space:
         raise ConfigError(f"search.metric = {metric!r} is not accepted with train.ema_decay = null (no weight "
                           "average, so the training never logs it); expected val_accuracy or val_loss, or set "

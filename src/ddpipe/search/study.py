@@ -1,9 +1,10 @@
-"""The study of a search: its storage opened (and checked to answer), its sampler, created or continued, the trials a
-gone driver left RUNNING taken over (this host's) or failed and retried (a database's, silent), and the ``first``
-trials enqueued once."""
+"""The study of a search: its storage opened (and checked to answer), its sampler (seeded per driver), created or
+continued (with the metric and fixed params it started with), the trials a gone driver left RUNNING taken over (this
+host's, under a lock) or failed and retried (a database's, silent), and the ``first`` trials enqueued once in all."""
 
 from __future__ import annotations
 
+import hashlib
 import socket
 import warnings
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 
 from ddpipe.config.schema import ConfigError
 from ddpipe.core.errors import one_line
-from ddpipe.core.processes import alive, start_time
+from ddpipe.core.processes import alive, named_host_lock, start_time
 from ddpipe.engine.pruning import make_pruner, open_storage
 from ddpipe.search.space import Plan
 from ddpipe.tracking.store import redact
@@ -19,6 +20,8 @@ from ddpipe.tracking.store import redact
 # A database storage: the driver records a heartbeat of each trial it holds; one silent for GRACE_S (its driver on
 # another host gone) is failed by the next driver (Optuna's fail_stale_trials) and retried once with the same params.
 HEARTBEAT_S, GRACE_S, MAX_RETRY = 20, 120, 1
+FIRST = "first"  # a trial's user attr: its index in search.first (see first_of)
+STARTED_WITH = "started_with"  # the study's user attr: its metric and fixed params (see check_unchanged)
 
 
 class SearchError(RuntimeError):
@@ -45,18 +48,30 @@ def storage(plan: Plan, for_driver: bool = False) -> Any:
                           "~/.pgpass) or null (a journal file in the repository)") from None
 
 
-def sampler(plan: Plan, drawn: int = 0) -> Any:
-    """Optuna's sampler of ``search.sampler``, seeded from ``seed`` and the ``drawn`` trials the study holds: a
-    continued study draws new points (a sampler seeded as at its start would repeat its first random ones), and the
-    same study with the same history draws the same."""
+def sampler_seed(seed: int, drawn: int, driver: dict[str, Any] | None) -> int:
+    """The seed of one driver's sampler: ``seed``, the ``drawn`` trials the study held when the driver opened it,
+    and the ``driver`` itself (host, pid, the pid's start time). A continued study draws new points (a sampler
+    seeded as at its start would repeat its first random ones), and two drivers of one study, started at the same
+    instant on one host or on two, draw apart (seeded from ``seed + drawn`` alone, they drew the same; issue 47).
+    The price: a study is not drawn the same twice, as two drivers' interleaving never is either."""
+    text = f"{seed}|{drawn}|{driver['host']}|{driver['pid']}|{driver['started']}" if driver else f"{seed}|{drawn}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
+
+
+def sampler(plan: Plan, drawn: int = 0, driver: dict[str, Any] | None = None) -> Any:
+    """Optuna's sampler of ``search.sampler``, seeded by :func:`sampler_seed`. TPE with ``constant_liar``: the
+    trials running meanwhile (this driver's other jobs, other drivers') count as if they had ended badly, so it
+    proposes away from them rather than beside them (with nothing running it changes nothing)."""
     import optuna
 
-    seed = plan.seed + drawn
+    seed = sampler_seed(plan.seed, drawn, driver)
     if plan.settings.sampler == "grid":
         return optuna.samplers.GridSampler({k: d.grid() for k, d in plan.space.items()}, seed=seed)
     if plan.settings.sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
-    return optuna.samplers.TPESampler(seed=seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # constant_liar is marked so
+        return optuna.samplers.TPESampler(seed=seed, constant_liar=True)
 
 
 def open_study(plan: Plan) -> Any:
@@ -72,11 +87,43 @@ def open_study(plan: Plan) -> Any:
         raise ConfigError(f"search.direction = {plan.settings.direction!r} is not accepted for the existing study "
                           f"{plan.settings.study!r}, which maximizes or minimizes the other way; expected "
                           f"{study.direction.name.lower()!r}, or a new search.study")
-    study.sampler = sampler(plan, len(study.get_trials(deepcopy=False)))
+    check_unchanged(plan, study)
+    study.sampler = sampler(plan, len(study.get_trials(deepcopy=False)), driver_mark())
     if not study.get_trials(deepcopy=False):
-        for params in plan.first:
-            study.enqueue_trial(params, skip_if_exists=True)
+        # Two drivers opening a new study at once both enqueue these; each carries its index, and the driver that
+        # takes a copy that is not the first of its index fails it unrun (first_of): each runs once in all.
+        for index, params in enumerate(plan.first):
+            study.enqueue_trial(params, user_attrs={FIRST: index}, skip_if_exists=True)
     return study
+
+
+def check_unchanged(plan: Plan, study: Any) -> None:
+    """A new study records its metric and fixed params (:attr:`Plan.fixed`); a continued one must run with the same,
+    or ConfigError naming what changed: a trial of another metric, or of other fixed params (another seed, dataset,
+    epoch count), has a value that does not compare with the study's others, and the sampler would learn from both."""
+    now = {"search.metric": plan.settings.metric, **plan.fixed}
+    was = study.user_attrs.get(STARTED_WITH)
+    if was is None:
+        study.set_user_attr(STARTED_WITH, now)
+        return
+    changed = [key for key in now if key in was and was[key] != now[key]]  # a key new to the schema is no change
+    if changed:
+        shown = "; ".join(f"{key} = {now[key]!r} (its trials ran with {was[key]!r})" for key in changed[:5])
+        raise ConfigError(f"search.study = {plan.settings.study!r} is continued with {shown}"
+                          f"{' ...' if len(changed) > 5 else ''}: not accepted, its trials' values would not compare "
+                          "with the new ones; expected the study's own values back, or a new search.study")
+
+
+def first_of(study: Any, trial: Any) -> int | None:
+    """When ``trial`` (just asked for) is a copy of a ``first`` trial that another driver enqueued too, the number of
+    the trial that runs it (the lowest of that index); else None. Trial numbers are handed out by the storage, one
+    at a time, and a waiting trial is taken by one driver only (Optuna's atomic WAITING -> RUNNING), so every driver
+    agrees which copy runs and each copy is taken by exactly one."""
+    index = trial.user_attrs.get(FIRST)
+    if index is None:
+        return None
+    lowest = min(t.number for t in study.get_trials(deepcopy=False) if t.user_attrs.get(FIRST) == index)
+    return lowest if lowest != trial.number else None
 
 
 def load_study(plan: Plan) -> Any:
@@ -100,22 +147,28 @@ def driver_mark() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "started": start_time(os.getpid())}
 
 
-def orphans(study: Any) -> list[Any]:
+def orphans(study: Any, where: str) -> list[Any]:
     """The RUNNING trials whose driver on this host is gone (killed, or stopped by a signal), taken over by this
     driver (its mark, and a heartbeat in a database, so that no other driver fails them meanwhile): the caller runs
-    each again under its number. Returns them (FrozenTrials)."""
+    each again under its number. Returns them (FrozenTrials).
+
+    A compare-and-set: the marks are read and rewritten under a lock on this host named after the study's storage
+    ``where`` and its name, so of drivers taking over at once exactly one takes each trial (read, then written
+    unguarded, two took one trial and rebuilt one workspace; issue 47). Only a driver on the trial's own host takes
+    it, so a host's lock is enough; another host's are a database's, failed by heartbeat (:func:`close_stale`)."""
     from optuna.trial import TrialState
 
     found = []
     store = study._storage  # the storage the study was opened with (Optuna keeps no public handle on it)
     beats = getattr(store, "get_heartbeat_interval", lambda: None)()
-    for trial in study.get_trials(states=(TrialState.RUNNING,)):
-        mark = trial.user_attrs.get("driver") or {}
-        if mark.get("host") == socket.gethostname() and not alive(int(mark.get("pid", 0)), mark.get("started")):
-            store.set_trial_user_attr(trial._trial_id, "driver", driver_mark())
-            if beats:
-                store.record_heartbeat(trial._trial_id)
-            found.append(trial)
+    with named_host_lock("search-takeover", where, study.study_name):
+        for trial in study.get_trials(states=(TrialState.RUNNING,)):  # read inside the lock: what the last holder wrote
+            mark = trial.user_attrs.get("driver") or {}
+            if mark.get("host") == socket.gethostname() and not alive(int(mark.get("pid", 0)), mark.get("started")):
+                store.set_trial_user_attr(trial._trial_id, "driver", driver_mark())
+                if beats:
+                    store.record_heartbeat(trial._trial_id)
+                found.append(trial)
     return found
 
 

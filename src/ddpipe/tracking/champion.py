@@ -6,7 +6,8 @@ passed and it beats the current holder on the same test split.
     mlflow models serve -m models:/NAME@champion --env-manager local     # with the server's address and credentials
 
 The evaluate stage computes the digest and the accuracy (:func:`test_split_digest`), and its outbox record is
-delivered by :func:`record_and_promote`; the export stage's by :func:`record_export`, which decides; each says in
+delivered by :func:`record_and_promote` (which registers the run's model first when its training did not: a search's
+trial); the export stage's by :func:`record_export`, which decides; each says in
 the log what it did and why.
 """
 
@@ -42,7 +43,7 @@ def record_and_promote(client: Any, run_id: str, rec: dict) -> None:
     Each evaluate stage tags first and decides second, under a lock on this host, so evaluate stages at once
     converge on the best version whatever their order. Prints what it did."""
     name, alias, accuracy, split = rec["model_name"], rec.get("alias"), float(rec["test_accuracy"]), rec["split"]
-    version = _version_of(client, name, run_id, "test accuracy")
+    version = _version_of(client, name, run_id, "test accuracy", quiet=True) or _register(client, name, run_id)
     if version is None:
         return
     client.set_model_version_tag(name, version, "test_accuracy", f"{accuracy:.6f}")
@@ -53,14 +54,40 @@ def record_and_promote(client: Any, run_id: str, rec: dict) -> None:
         _promote(client, name, alias, version, accuracy, split)
 
 
-def _version_of(client: Any, name: str, run_id: str, what: str) -> str | None:
-    """The newest version of ``name`` registered from ``run_id``; None, said, when there is none."""
+def _version_of(client: Any, name: str, run_id: str, what: str, quiet: bool = False) -> str | None:
+    """The newest version of ``name`` registered from ``run_id``; None (said, unless ``quiet``) when there is none."""
     versions = client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
     if not versions:
-        print(f"MLflow: no version of registered model {name!r} comes from run {run_id}; {what} not recorded on the "
-              "registry", flush=True)
+        if not quiet:
+            print(f"MLflow: no version of registered model {name!r} comes from run {run_id}; {what} not recorded on "
+                  "the registry", flush=True)
         return None
     return str(max(int(v.version) for v in versions))
+
+
+def _register(client: Any, name: str, run_id: str) -> str | None:
+    """A new version of ``name`` from the model ``run_id`` logged (``model``), tagged as the train stage tags the
+    versions it registers; None, said, when the run holds no such model. A search's trial trains without registering
+    (issue 47: N trials would be N versions, and the alias would follow the best of them on the test split): the
+    chosen trial's version is made here, by its one evaluation."""
+    run = client.get_run(run_id)
+    found = [m for m in client.search_logged_models([run.info.experiment_id],
+                                                    filter_string=f"source_run_id = '{run_id}' AND name = 'model'")
+             if str(m.status).upper().endswith("READY")]
+    if not found:
+        print(f"MLflow: run {run_id} holds no logged model to register as {name!r}; its test accuracy is not recorded "
+              "on the registry", flush=True)
+        return None
+    model = max(found, key=lambda m: m.creation_timestamp)
+    if not client.search_registered_models(f"name = '{name}'"):
+        client.create_registered_model(name)
+    tags = {"dvc_exp_name": run.data.tags.get("dvc_exp_name", ""), "git_commit": run.data.tags.get("git_commit", ""),
+            "run_id": run_id}
+    version = client.create_model_version(name, source=f"models:/{model.model_id}", run_id=run_id, tags=tags,
+                                          model_id=model.model_id)
+    print(f"MLflow: registered version {version.version} of {name!r} from run {run_id} (its model was logged "
+          "unregistered, as a search's trial logs it)", flush=True)
+    return str(version.version)
 
 
 def record_export(client: Any, run_id: str, rec: dict, uris: dict[str, str]) -> None:

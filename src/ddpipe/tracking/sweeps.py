@@ -29,6 +29,7 @@ from ddpipe.config.schema import Config
 from ddpipe.tracking.store import bound_http_requests, find_sweep_parent, tracking_uri
 
 METRICS = ("test_accuracy", "test_macro_f1")
+SEARCH_TAG = "ddpipe.search.best_trial"  # set on a search study's parent run (ddpipe.search.report.log_to_parent)
 
 
 class SweepError(ValueError):
@@ -104,12 +105,17 @@ def summarise(cfg: Config, sweep: str) -> str:
     if parent is None:
         raise SweepError(f"mlflow.sweep = {sweep!r}: no parent run of that name in experiment "
                          f"{cfg.mlflow.experiment_name!r} at {tracking_uri(cfg.mlflow)}")
+    if SEARCH_TAG in parent.data.tags:  # a search's trials are never tested: nothing here to average
+        raise SweepError(f"mlflow.sweep = {sweep!r} is the study of a search, whose trials are judged on validation "
+                         "and never tested; expected a sweep of queued experiments (see its trials with python -m "
+                         f"ddpipe.search status search.study={sweep}, and test the chosen one: best --apply)")
     children = client.search_runs([exp.experiment_id],
                                   filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     groups, varying = group_children(children)
     if not groups:
         raise SweepError(f"sweep {sweep!r}: none of its {len(children)} run(s) has test metrics yet "
-                         "(still queued or running? `dvc queue status`)")
+                         "(still queued or running? `dvc queue status`; a search's trials are never tested: python -m "
+                         "ddpipe.search status)")
     rows = table(groups, varying)
     statuses = ", ".join(f"{n} {s}" for s, n in sorted(Counter(c.info.status for c in children).items()))
     text = (f"sweep {sweep}: {len(children)} run(s) ({statuses}), {len(groups)} configuration(s), "

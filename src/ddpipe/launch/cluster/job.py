@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from ddpipe.core.exits import EXIT_PREEMPTED, STOP_SIGNALS
+from ddpipe.engine.pruning import trial_spec
 from ddpipe.launch import workspace
 from ddpipe.launch.cluster import kubernetes, records, slurm
 from ddpipe.launch.cluster.queue import exp_ref
@@ -83,9 +84,19 @@ def environment(m: dict, e: dict, ws: Path, sched) -> dict[str, str]:
     return env
 
 
+def trial_targets(ws: Path) -> list[str]:
+    """A search's trial (``python -m ddpipe.search run --cluster``: its description in the job's environment) runs
+    its one stage, the train stage, with the evaluate and export stages' tracked files out of its experiment (issue
+    47: a trial never touches the test split); any other experiment runs whole: ``[]``."""
+    spec = trial_spec() or {}
+    if spec.get("held_out"):
+        workspace.quiet_shell(["git", "rm", "-r", "-q", "--ignore-unmatch", "--", *spec["held_out"]], cwd=ws)
+    return [spec["stage"]] if spec.get("stage") else []
+
+
 def run_experiment(ws: Path, name: str, env: dict, forward: tuple[signal.Signals, ...],
-                   warn_seconds: float) -> tuple[int, list[int]]:
-    """``dvc exp run --name NAME`` in ``ws``; its exit code and the stop signals this driver received. ``dvc``
+                   warn_seconds: float, targets: list[str] | None = None) -> tuple[int, list[int]]:
+    """``dvc exp run --name NAME [TARGETS]`` in ``ws``; its exit code and the stop signals this driver received. ``dvc``
     ignores stop signals (its children set their own): a stop ends the training at a checkpointed step, never DVC
     before it. A stage that ignores them (prepare, evaluate) is killed ``warn_seconds`` after SIGUSR1, before the
     time limit would end the job without a requeue; the next run of the job runs it again."""
@@ -115,8 +126,8 @@ def run_experiment(ws: Path, name: str, env: dict, forward: tuple[signal.Signals
 
     for sig in STOP_SIGNALS:  # from now on: a stop is recorded, never the driver's end
         signal.signal(sig, on_stop)
-    child = subprocess.Popen(["dvc", "exp", "run", "--name", name], cwd=ws, env=env, start_new_session=True,
-                             preexec_fn=ignore_stops)
+    child = subprocess.Popen(["dvc", "exp", "run", "--name", name, *(targets or [])], cwd=ws, env=env,
+                             start_new_session=True, preexec_fn=ignore_stops)
     if stops and forward:  # arrived while it was starting
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, stops[-1])
@@ -193,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         if e["storage"] == "shared":
             records.write_result(root, name, "failed", code=1, log=e["log"], reason=f"workspace: {exc}")
         return 1
-    say(f"$ dvc exp run --name {name}   (in {ws})")
-    code, stops = run_experiment(ws, name, env, sched.FORWARD, sched.WARN_SECONDS - 60)
+    targets = trial_targets(ws)
+    say(f"$ dvc exp run --name {name}{''.join(f' {t}' for t in targets)}   (in {ws})")
+    code, stops = run_experiment(ws, name, env, sched.FORWARD, sched.WARN_SECONDS - 60, targets)
     run_id = mlflow_run(ws, e)
     if code == 0 and (ref := exp_ref(ws, name)):
         remote = ["-r", e["dvc_remote"]] if e["dvc_remote"] else []

@@ -1,0 +1,224 @@
+"""Drivers of one study side by side (issue 47, item 2): seeded apart, the ``first`` trials run once in all, a dead
+driver's trial taken over by exactly one, a trial another driver finished skipped, never a crash; and two whole
+``run`` loops started at the same instant on a journal file, their trials a fake training (no DVC, no torch), end
+with the study's trials, none run twice."""
+
+from __future__ import annotations
+
+import multiprocessing
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpipe.config.load import load_config
+from ddpipe.search.space import make_plan
+from tests.conftest import PARAMS
+
+LR = "search.space.train.base_lr=loguniform(1e-4, 1e-1)"
+
+# A trial's training, faked: it reports one epoch's value (larger nearer lr 0.01) to its trial, as the training's
+# pruning hook does, and exits 0
+FAKE_TRAINING = """
+import json, math, os
+import optuna
+from ddpipe.engine.pruning import TRIAL_ENV, open_storage
+spec = json.loads(os.environ[TRIAL_ENV])
+study = optuna.load_study(study_name=spec["study"], storage=open_storage(spec["storage"]))
+trial = optuna.trial.Trial(study, spec["trial_id"])
+trial.report(-abs(math.log10(trial.params["train.base_lr"]) + 2.0), 1)
+"""
+
+
+def _plan(tmp: Path, *overrides: str):
+    return make_plan(load_config([LR, *overrides], params_file=PARAMS), tmp, PARAMS)
+
+
+def _fake_trials(monkeypatch: pytest.MonkeyPatch, tmp: Path) -> None:
+    """The driver's trials run FAKE_TRAINING in an empty folder instead of ``dvc exp run`` in a clone."""
+    from ddpipe.search import driver
+
+    def workspace(plan, trial, root, say):
+        ws = driver.trial_workspace(plan, trial.number)
+        ws.mkdir(parents=True, exist_ok=True)
+        return ws
+
+    monkeypatch.setattr(driver, "prepare_workspace", workspace)
+    monkeypatch.setattr(driver, "command", lambda plan, trial: [sys.executable, "-c", FAKE_TRAINING])
+    monkeypatch.setattr(driver, "send_back", lambda plan, root, number: "")
+    monkeypatch.setattr(driver, "POLL_S", 0.1)
+
+
+def _drive(plan, root: Path, barrier, log: Path) -> None:
+    """One ``search run``'s loop in a forked process, started with the others at the barrier."""
+    from ddpipe.search import driver
+
+    with open(log, "w") as out:
+        barrier.wait()
+        driver.run(plan, root, say=lambda line: print(line, file=out, flush=True))
+
+
+def test_drivers_started_together_never_run_the_same_params_and_end_the_study_together(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two drivers of one study (random sampler, one job each, 6 trials, one ``first`` trial) started at the same
+    instant: 6 or 7 finished (at most one over per extra driver), none RUNNING, no learning rate twice, the first
+    trial run once. Seeded from ``seed + len(trials)`` alone, both drew the same learning rates."""
+    _fake_trials(monkeypatch, tmp_path)
+    plan = _plan(tmp_path, "search.study=pair", "search.sampler=random", "search.trials=6", "search.jobs=1",
+                 "search.pruner=none", "search.first=[{train.base_lr: 0.003}]")
+    from ddpipe.search.study import load_study, open_study
+
+    open_study(plan)  # made, its first trial enqueued: both drivers open it holding the same one trial
+    fork = multiprocessing.get_context("fork")
+    barrier = fork.Barrier(2)
+    drivers = [fork.Process(target=_drive, args=(plan, tmp_path, barrier, tmp_path / f"driver-{i}.log"))
+               for i in range(2)]
+    for d in drivers:
+        d.start()
+    for d in drivers:
+        d.join(120)
+    logs = "\n".join((tmp_path / f"driver-{i}.log").read_text() for i in range(2))
+    assert [d.exitcode for d in drivers] == [0, 0], logs
+    trials = load_study(plan).get_trials(deepcopy=False)
+    states = [t.state.name for t in trials]
+    done = [t for t in trials if t.state.name == "COMPLETE"]
+    assert "RUNNING" not in states and "WAITING" not in states, states
+    assert len(done) in (6, 7), (states, logs)
+    assert all(t.state.name == "COMPLETE" or "a second copy of search.first[0]" in t.user_attrs["failure"]
+               for t in trials), logs
+    rates = [t.params["train.base_lr"] for t in done]
+    assert len(set(rates)) == len(rates), rates
+    assert rates.count(0.003) == 1, rates
+    assert {t.user_attrs["driver"]["pid"] for t in done} == {d.pid for d in drivers}, "both drivers ran trials"
+
+
+def test_each_driver_draws_apart_and_tpe_lies_about_running_trials(tmp_path: Path) -> None:
+    """Two drivers opening one study with the same history get different seeds; one driver, the same history, the
+    same seed; TPE is built with constant_liar."""
+    from ddpipe.search.study import driver_mark, sampler, sampler_seed
+
+    me = driver_mark()
+    other = {**me, "pid": me["pid"] + 1}
+    assert sampler_seed(42, 3, me) == sampler_seed(42, 3, dict(me))
+    assert len({sampler_seed(42, 3, me), sampler_seed(42, 3, other), sampler_seed(42, 4, me),
+                sampler_seed(43, 3, me)}) == 4
+    assert sampler(_plan(tmp_path), 0, me)._constant_liar is True
+
+
+def test_a_first_trial_enqueued_by_two_drivers_runs_once(tmp_path: Path) -> None:
+    """Both drivers of a new study enqueued search.first (they opened it at the same instant): the lowest copy of
+    each index runs, a later copy is failed unrun saying which trial runs it, and the study is asked again."""
+    from ddpipe.search.driver import ask
+    from ddpipe.search.study import FIRST, open_study
+
+    plan = _plan(tmp_path, "search.study=f", "search.first=[{train.base_lr: 0.003}, {train.base_lr: 0.01}]")
+    study = open_study(plan)  # enqueues trials 0 and 1
+    for index, params in enumerate(plan.first):  # the other driver's copies: trials 2 and 3
+        study.enqueue_trial(params, user_attrs={FIRST: index})
+    said: list[str] = []
+    taken = [ask(plan, study, said.append) for _ in range(3)]
+    assert [t.number for t in taken[:2]] == [0, 1]
+    assert taken[2].number == 4 and FIRST not in taken[2].user_attrs  # the sampler's, after both copies
+    frozen = study.get_trials(deepcopy=False)
+    assert [t.state.name for t in frozen] == ["RUNNING", "RUNNING", "FAIL", "FAIL", "RUNNING"]
+    assert frozen[3].user_attrs["failure"].startswith("a second copy of search.first[1]")
+    assert said == ["trial 2: not run, a copy of trial 0 (search.first enqueued by two drivers at once)",
+                    "trial 3: not run, a copy of trial 1 (search.first enqueued by two drivers at once)"]
+
+
+def _take_over(plan, barrier, out) -> None:
+    from ddpipe.search.study import open_study, orphans
+
+    study = open_study(plan)
+    barrier.wait()
+    out.put([t.number for t in orphans(study, plan.storage)])
+
+
+def test_a_dead_drivers_trials_are_taken_over_by_exactly_one_driver(tmp_path: Path) -> None:
+    """Twelve trials of a driver that died; three drivers take over at the same instant: each trial is taken once
+    (read and rewritten under one lock per study on this host), every one of them by someone."""
+    import socket
+
+    from ddpipe.core.processes import start_time
+    from ddpipe.search.study import open_study
+
+    plan = _plan(tmp_path, "search.study=o", "search.first=[]")
+    study = open_study(plan)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    mark = {"host": socket.gethostname(), "pid": dead.pid, "started": start_time(dead.pid)}
+    for _ in range(12):
+        study.ask({k: d.to_optuna() for k, d in plan.space.items()}).set_user_attr("driver", mark)
+    fork = multiprocessing.get_context("fork")
+    barrier, out = fork.Barrier(3), fork.Queue()
+    takers = [fork.Process(target=_take_over, args=(plan, barrier, out)) for _ in range(3)]
+    for t in takers:
+        t.start()
+    taken = [out.get(timeout=60) for _ in takers]
+    for t in takers:
+        t.join(30)
+    assert sorted(n for got in taken for n in got) == list(range(12)), taken
+    owners = {t.user_attrs["driver"]["pid"] for t in open_study(plan).get_trials(deepcopy=False)}
+    assert owners <= {t.pid for t in takers} and dead.pid not in owners
+
+
+def test_a_trial_another_driver_finished_is_skipped_not_a_crash(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """This driver's trial ended, but another driver (a database's, after this one's heartbeat went quiet) had failed
+    it meanwhile: ``record`` says so and returns SKIPPED; the trial keeps the other driver's verdict."""
+    import optuna
+
+    from ddpipe.search import driver
+    from ddpipe.search.driver import Running, record
+    from ddpipe.search.study import open_study
+
+    monkeypatch.setattr(driver, "send_back", lambda plan, root, number: "")  # its experiment is back
+    plan = _plan(tmp_path, "search.study=t", "search.first=[]")
+    plan.folder.mkdir(parents=True)
+    study, elsewhere = open_study(plan), open_study(plan)
+    trial = study.ask({k: d.to_optuna() for k, d in plan.space.items()})
+    trial.set_user_attr("experiment", "t-0")
+    trial.report(0.5, 1)
+    elsewhere.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+    for code in ("true", "false"):  # completed, then failed: both told too late
+        done = subprocess.Popen([code])
+        done.wait()
+        said: list[str] = []
+        assert record(plan, study, tmp_path, Running(trial, done, plan.folder / "t.log", 1), said.append) == "SKIPPED"
+        assert said == ["trial 0: already FAIL, finished by another driver; not told again"]
+    assert [t.state.name for t in study.get_trials(deepcopy=False)] == ["FAIL"]
+
+
+def test_a_trial_trains_only_registers_nothing_and_carries_no_test_figures(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trial's command runs the train stage alone; the files its workspace drops before it runs are exactly the
+    evaluate and export stages' git-tracked outputs in dvc.yaml (so its experiment holds no test figure); its
+    training registers no model version whatever mlflow.registered_model_name says, and keeps its checkpoints in the
+    trial's own folder. Outside a search, the config is left as it is."""
+    import json
+
+    import optuna
+    import yaml
+
+    from ddpipe.engine.pruning import TRIAL_ENV, trial_config
+    from ddpipe.search.driver import command
+
+    plan = _plan(tmp_path, "search.study=c", "search.first=[]")
+    trial = optuna.create_study().ask({k: d.to_optuna() for k, d in plan.space.items()})
+    cmd = command(plan, trial)
+    assert cmd[:5] == ["dvc", "exp", "run", "-n", "c-0"] and cmd[-1] == "train" and "evaluate" not in cmd
+
+    cfg = load_config(["mlflow.registered_model_name=clf"], params_file=PARAMS)
+    stages = yaml.safe_load((PARAMS.parent / "dvc.yaml").read_text())["stages"]
+    tracked = {getattr(cfg.paths, key.removeprefix("${paths.").removesuffix("}"))
+               for stage in ("evaluate", "export") for kind in ("outs", "metrics", "plots")
+               for entry in stages[stage].get(kind, []) if isinstance(entry, dict)
+               for key, options in entry.items() if options.get("cache") is False}
+    assert set(plan.held_out) == tracked and cfg.paths.test_metrics in tracked
+
+    assert trial_config(cfg) is cfg
+    monkeypatch.setenv(TRIAL_ENV, json.dumps({"checkpoints": str(tmp_path / "trial-0" / "checkpoints")}))
+    in_trial = trial_config(cfg)
+    assert in_trial.mlflow.registered_model_name is None and cfg.mlflow.registered_model_name == "clf"
+    assert in_trial.paths.checkpoints == str(tmp_path / "trial-0" / "checkpoints")
