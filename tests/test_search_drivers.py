@@ -163,6 +163,30 @@ def test_a_dead_drivers_trials_are_taken_over_by_exactly_one_driver(tmp_path: Pa
     assert owners <= {t.pid for t in takers} and dead.pid not in owners
 
 
+def test_a_journal_trial_held_on_another_host_is_left_running_and_named(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A journal file has no heartbeat: a trial RUNNING under a driver on another host (a login node sharing the
+    file) is neither taken over nor run again beside it; ``run`` finishes what it may, counts that trial as in flight
+    and says, at its start and its end, which trial, which host and what to do."""
+    from optuna.trial import TrialState
+
+    from ddpipe.search import driver
+    from ddpipe.search.study import open_study
+
+    _fake_trials(monkeypatch, tmp_path)
+    plan = _plan(tmp_path, "search.study=h", "search.first=[]", "search.sampler=random", "search.trials=3",
+                 "search.jobs=1", "search.pruner=none")
+    study = open_study(plan)
+    study.ask({k: d.to_optuna() for k, d in plan.space.items()}).set_user_attr(
+        "driver", {"host": "login-b.invalid", "pid": 4242, "started": "0"})
+    said: list[str] = []
+    driver.run(plan, tmp_path, say=said.append)
+    states = [t.state for t in open_study(plan).get_trials(deepcopy=False)]
+    assert states[0] == TrialState.RUNNING and states[1:] == [TrialState.COMPLETE] * 2, states
+    notes = [line for line in said if "login-b.invalid" in line]
+    assert len(notes) == 2 and all("trial(s) 0 are RUNNING" in n and "no heartbeat" in n for n in notes), said
+
+
 def test_a_trial_another_driver_finished_is_skipped_not_a_crash(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """This driver's trial ended, but another driver (a database's, after this one's heartbeat went quiet) had failed

@@ -43,7 +43,7 @@ from ddpipe.launch import workspace
 from ddpipe.launch.cluster.queue import exp_ref, git
 from ddpipe.search import cluster as on_cluster
 from ddpipe.search.space import Plan, override_text
-from ddpipe.search.study import FIRST, SearchError, close_stale, driver_mark, first_of, open_study, orphans
+from ddpipe.search.study import FIRST, SearchError, close_stale, driver_mark, first_of, held_note, open_study, orphans
 
 POLL_S = 1.0
 TRIAL_STAGE = "train"  # the one stage a trial runs (dvc.yaml's name of it)
@@ -129,6 +129,8 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
     if closed := close_stale(study):
         say(f"search {plan.settings.study}: trial(s) {', '.join(map(str, closed))} had no driver any more: failed, "
             "queued again with the same params")
+    if note := held_note(study, plan.storage):
+        say(note)
     running: list[Running] = []
     failed_in_a_row = 0
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
@@ -161,6 +163,8 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if finished(study) < plan.settings.trials and (note := held_note(study, plan.storage)):
+        say(note)  # it stops short of search.trials: say why once more, last
     if failed_in_a_row >= MAX_FAILED_IN_A_ROW:
         raise SearchError(f"search {plan.settings.study}: {failed_in_a_row} trials failed in a row; see their logs in "
                            f"{plan.folder} (python -m ddpipe.search status)")

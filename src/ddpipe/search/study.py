@@ -172,6 +172,31 @@ def orphans(study: Any, where: str) -> list[Any]:
     return found
 
 
+def held_elsewhere(study: Any) -> dict[int, str]:
+    """The RUNNING trials whose driver's mark names another host: trial number -> that host. A database's heartbeat
+    fails them once that driver is gone (:func:`close_stale`); a journal file has none, so no driver here can tell a
+    dead driver there from a live one, and none takes them over (see :func:`held_note`)."""
+    from optuna.trial import TrialState
+
+    here = socket.gethostname()
+    return {t.number: host for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if (host := (t.user_attrs.get("driver") or {}).get("host")) and host != here}
+
+
+def held_note(study: Any, where: str) -> str | None:
+    """What a driver says of the trials another host's driver holds in a journal file (``where``), which it leaves
+    RUNNING and counts as in flight; None when there are none, or when the storage is a database (heartbeats)."""
+    held = held_elsewhere(study)
+    if not held or "://" in where:
+        return None
+    hosts = sorted(set(held.values()))
+    return (f"search {study.study_name}: trial(s) {', '.join(map(str, sorted(held)))} are RUNNING under a driver on "
+            f"{', '.join(hosts)}, not this host ({socket.gethostname()}): the journal file {where} has no heartbeat, "
+            "so they are left to that driver and count as in flight. If it is gone, run `python -m ddpipe.search "
+            f"run` on {hosts[0]}, which resumes them; drivers on several hosts keep the study in a database "
+            "(search.storage=postgresql://...), whose heartbeat hands a dead host's trials to the others")
+
+
 def close_stale(study: Any) -> list[int]:
     """Fail the RUNNING trials of a database whose heartbeat stopped (another host's driver, gone), each queued again
     once with its params (Optuna's fail_stale_trials and RetryHeartbeatStaleTrialCallback). Returns their numbers."""
