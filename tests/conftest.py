@@ -453,16 +453,31 @@ def clone_repo(dest: Path, params: dict | None = None) -> Path:
     return dest
 
 
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder every pytest-xdist worker of this run shares (the run's own folder when there are no workers)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def reproduced_clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny-params clone on which `dvc repro` ran and whose dvc.lock is committed (copy it before
-    changing it: see ``repro_clone``)."""
+    changing it: see ``repro_clone``). Made once per run however many workers ask (the first, under a file lock;
+    the others wait for it), since no test changes it."""
+    from filelock import FileLock
+
     if not FASHION_DIR.is_dir():
         pytest.skip("Debian's dataset-fashion-mnist is not installed")
-    repo = clone_repo(tmp_path_factory.mktemp("reproduced") / "repo", CLONE_PARAMS)
-    run(["dvc", "repro"], cwd=repo, env=CLONE_ENV, timeout=900)
-    run(["git", "add", "-A"], cwd=repo, env=GIT_ENV)
-    run(["git", "commit", "-qm", "reproduced"], cwd=repo, env=GIT_ENV)
+    folder = shared_dir(tmp_path_factory) / "reproduced"
+    repo, done = folder / "repo", folder / "reproduced.done"
+    with FileLock(f"{folder}.lock"):
+        if not done.is_file():
+            shutil.rmtree(folder, ignore_errors=True)  # a worker's that failed half-way
+            clone_repo(repo, CLONE_PARAMS)
+            run(["dvc", "repro"], cwd=repo, env=CLONE_ENV, timeout=900)
+            run(["git", "add", "-A"], cwd=repo, env=GIT_ENV)
+            run(["git", "commit", "-qm", "reproduced"], cwd=repo, env=GIT_ENV)
+            done.touch()
     return repo
 
 

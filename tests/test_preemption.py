@@ -403,7 +403,10 @@ def test_sigkill_to_one_node_of_two_stops_every_rank_at_one_step_and_both_nodes_
         kill_all(marker)
     text = "".join(log.read_text() for log in logs)
     (sig, epoch, step), = set(STOPPED.findall(text))  # both ranks, on both nodes, stopped at one step
-    assert sig == "SIGTERM" and epoch == "2" and len(STOPPED.findall(text)) == 2, text[-4000:]
+    # in epoch 2, or at epoch 3's first step when the killed node's worker noticed its dead launcher (a poll every
+    # 0.5 s) after epoch 2's last step, as on a host busy with another test
+    assert (sig, epoch, int(step) > 0) in (("SIGTERM", "2", True), ("SIGTERM", "3", False)), text[-4000:]
+    assert len(STOPPED.findall(text)) == 2, text[-4000:]
 
     port = free_port()
     again = [subprocess.Popen(node(), cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=subprocess.PIPE,
