@@ -224,7 +224,7 @@ def placed_network(run: Resolved, info: DistInfo, compute: PrecisionPolicy) -> t
     network = build_network(run, info)
     for line in network.notes:
         dd.print0(line, info=info)
-    if run.deterministic and info.device.type == "cuda":
+    if run.deterministic_kernels(info.device):
         global_pools_as_reductions(network.module)
     return network, compute.place(network.module)
 
@@ -238,7 +238,7 @@ def derived_params(t: Trainer) -> dict[str, Any]:
         "device_kind": t.run.device_kind,  # the row of resolve.run.AUTO_CHOICES that `auto` took
         "host_sums": t.info.sums if t.info.distributed else "none",
         "resolved_precision": t.compute.precision, "channels_last": t.compute.channels_last,
-        "deterministic_kernels": t.run.deterministic and t.device.type == "cuda",
+        "deterministic_kernels": t.run.deterministic_kernels(t.device),
         "num_parameters": sum(p.numel() for p in t.module.parameters()),
         "threads_per_process_at_start": torch.get_num_threads(),
         "loader_workers": t.num_workers,  # data.num_workers resolved (resolve.run.loader_workers)

@@ -107,6 +107,10 @@ class Resolved:
         """Fixed kernels on CUDA (``train.deterministic``; exact mode implies it)."""
         return self.cfg.train.deterministic or self.cfg.distributed.exact
 
+    def deterministic_kernels(self, device: torch.device) -> bool:
+        """Whether the training on ``device`` runs CUDA's deterministic kernels (the CPU's always are)."""
+        return self.deterministic and device.type == "cuda"
+
     def compute_on(self, device: torch.device) -> PrecisionPolicy:
         """How this run computes on ``device`` (a rank's own GPU, or the CPU)."""
         return PrecisionPolicy(device, self.precision, self.channels_last)
