@@ -133,6 +133,7 @@ def _take_over(plan, barrier, out) -> None:
     study = open_study(plan)
     barrier.wait()
     out.put([t.number for t in orphans(study, plan.storage)])
+    barrier.wait()  # alive until every driver has looked: a driver gone meanwhile leaves its trials to the others
 
 
 def test_a_dead_drivers_trials_are_taken_over_by_exactly_one_driver(tmp_path: Path) -> None:

@@ -291,7 +291,7 @@ class MlflowConfig:
     experiment_name: str = param("ddpipe", "MLflow experiment the runs are filed under.")
     log_model: bool = param(
         True, "Log the exported model (train.export) as an MLflow pyfunc model that takes images as clients have "
-        "them and returns class probabilities and names.")
+        "them and returns class probabilities and names, and the export stage's fp32 graph as model_onnx.")
     registered_model_name: Optional[str] = param(
         None, "Also register the logged model under this name (a version tagged with the DVC experiment and "
         "git commit); null: no registration.")

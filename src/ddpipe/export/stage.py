@@ -158,5 +158,6 @@ def _log_to_run(cfg: Config, metrics: dict, failures: list[str], graphs: dict[st
     registered = cfg.mlflow.registered_model_name if cfg.mlflow.log_model else None
     tracker.log_champion("export", graphs={} if failures else {k: str(v) for k, v in graphs.items()},
                          model_name=registered, alias=cfg.mlflow.champion_alias, passed=not failures,
+                         log_model=cfg.mlflow.log_model,
                          why="; ".join(failures), figures={**figures, **made_for})
     tracker.close()

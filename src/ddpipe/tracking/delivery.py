@@ -231,8 +231,8 @@ def _champion(client: Any, journal: Any, run_id: str, rec: dict) -> None:
 
 
 def _export(client: Any, journal: Any, run_id: str, rec: dict) -> None:
-    """The export stage's record: graphs that passed their check into the run (files under ``export/``, and the fp32
-    one as the pyfunc model ``model_onnx`` that runs ONNX Runtime), then the registered version's tags and the alias
+    """The export stage's record: graphs that passed their check into the run (files under ``export/``, and with
+    ``mlflow.log_model`` the fp32 one as the pyfunc model ``model_onnx`` that runs ONNX Runtime), then the registered version's tags and the alias
     (``ddpipe.tracking.champion.record_export``)."""
     import mlflow
 
@@ -243,8 +243,9 @@ def _export(client: Any, journal: Any, run_id: str, rec: dict) -> None:
     if rec.get("graphs"):
         for path in rec["graphs"].values():
             client.log_artifact(run_id, path, "export")
-        with _logging_into(client, run_id):
-            uris["onnx_model"] = log_onnx_pyfunc(mlflow, "model_onnx", Path(rec["graphs"]["onnx"])).model_uri
+        if rec.get("log_model", True):  # mlflow.log_model (a record from before it was kept: logged, as then)
+            with _logging_into(client, run_id):
+                uris["onnx_model"] = log_onnx_pyfunc(mlflow, "model_onnx", Path(rec["graphs"]["onnx"])).model_uri
     if rec.get("model_name"):
         record_export(client, run_id, rec, uris)
 
