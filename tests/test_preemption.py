@@ -3,6 +3,7 @@ it, the exit code asks for a resume, and the resumed run ends with the uninterru
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -129,11 +130,18 @@ def test_sigterm_to_the_launcher_exits_75_and_the_same_command_resumes_equal(
     saved = sorted(p.name for p in (tmp_path / "ckpt").glob("ckpt-*.pt"))
     assert saved[-1].endswith(f"-e{int(epoch) - 1:04d}-s{int(step):06d}.pt"), saved
     assert not (tmp_path / "model.pt").exists()
+    # what DVC shows of it meanwhile: epoch 1's history row and metrics, marked running (issue 49)
+    assert len((tmp_path / "history.csv").read_text().splitlines()) == 2
+    live = json.loads((tmp_path / "train.json").read_text())["train"]
+    assert live["running"] is True and live["epochs"] == 1 and live["exported_epoch"] == 1, live
 
     resumed = run(launch(tmp_path, prepared), env=CLONE_ENV)
     assert f"at epoch {epoch}, step {step}" in resumed.stdout
     print(f"stopped at epoch {epoch}, step {step}")
     assert same_weights(weights(tmp_path / "model.pt"), uninterrupted)
+    done = json.loads((tmp_path / "train.json").read_text())["train"]  # the finished training's, as before
+    assert "running" not in done and done["epochs"] == 3  # EXTRA's num_epochs
+    assert len((tmp_path / "history.csv").read_text().splitlines()) == 4
 
 
 def _checkpoint_every_2_steps(clone: Path) -> None:
@@ -407,7 +415,9 @@ def test_sigkill_to_one_node_of_two_stops_every_rank_at_one_step_and_both_nodes_
     # in epoch 2 after its step 2, or in epoch 3 when the killed node's worker noticed its dead launcher (a poll every
     # 0.5 s) after epoch 2's last step or in its validation, as on a host busy with another test
     assert sig == "SIGTERM" and (int(epoch), int(step)) >= (2, 2) and epoch in ("2", "3"), text[-4000:]
-    assert len(STOPPED.findall(text)) == 2, text[-4000:]
+    # rank 0's line, and the other node's at the same step unless its agent, which lost the c10d store with the
+    # killed node, ended it first (on a busy host); the resume from that step below, bit-equal, is the check
+    assert 1 <= len(STOPPED.findall(text)) <= 2, text[-4000:]
 
     port = free_port()
     again = [subprocess.Popen(node(), cwd=ROOT, env=subprocess_env(CLONE_ENV), stdout=subprocess.PIPE,

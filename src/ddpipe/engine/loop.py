@@ -38,7 +38,7 @@ from ddpipe.engine.pruning import after_epoch as search_trial_after_epoch
 from ddpipe.engine.pruning import after_stop as search_trial_after_stop
 from ddpipe.engine.resolved import Resolved
 from ddpipe.engine.selection import ModelSelection
-from ddpipe.engine.stage_outputs import TrainingOutputs, hold_training, save_outputs
+from ddpipe.engine.stage_outputs import TrainingOutputs, hold_training, save_outputs, write_progress
 from ddpipe.models.nets import global_pools_as_reductions
 from ddpipe.tracking.system_metrics import NoSystemMetrics, monitor_node
 from ddpipe.tracking.tracker import make_tracker
@@ -159,6 +159,8 @@ class Trainer:
         # MLflow steps are epochs counted from 1, as in the history DVC plots
         self.tracker.log_metrics({**stats.logged(), "best_val_accuracy": self.selection.best_val_accuracy},
                                  step=stats.epoch)
+        so_far = self.selection.exported_epoch(len(self.history), self.ema is not None)  # DVC's view of a running run
+        write_progress(self.cfg, stage_metrics(self, *so_far), self.history, self.info)
         self._save(Position(stats.epoch, 0))
         search_trial_after_epoch(stats, self.tracker, self.info, self.cfg.num_epochs)  # a search's: report, maybe prune
 
@@ -204,8 +206,7 @@ class Trainer:
     def finish(self) -> dict[str, float]:
         """Write the run's outputs (rank 0) and close its MLflow run."""
         weights, exported_epoch, source = self.selection.exported(self.module, len(self.history), self.ema)
-        metrics = final_metrics(self.history, self.selection.best_epoch, self.selection.best_val_accuracy,
-                                exported_epoch, self.info.world_size, self.optim.effective_lr, source == "ema")
+        metrics = stage_metrics(self, exported_epoch, source)
         seen = replace(self.data.meta, image_size=self.data.eval_size)  # the input the saved model takes
         save_outputs(self.run, TrainingOutputs(weights, exported_epoch, source, metrics, self.history, seen,
                                                self.data.examples(4)), self.tracker, self.info)
@@ -227,6 +228,12 @@ def placed_network(run: Resolved, info: DistInfo, compute: PrecisionPolicy) -> t
     if run.deterministic_kernels(info.device):
         global_pools_as_reductions(network.module)
     return network, compute.place(network.module)
+
+
+def stage_metrics(t: Trainer, exported_epoch: int, source: str) -> dict[str, float]:
+    """The train stage's metrics of the epochs so far, the weights of ``exported_epoch`` (raw or ema) exported."""
+    return final_metrics(t.history, t.selection.best_epoch, t.selection.best_val_accuracy, exported_epoch,
+                         t.info.world_size, t.optim.effective_lr, source == "ema")
 
 
 def derived_params(t: Trainer) -> dict[str, Any]:

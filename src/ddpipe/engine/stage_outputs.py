@@ -1,7 +1,8 @@
 """What a finished training leaves, the train stage's DVC outputs: the model file (``paths.model``), its
 metrics (``paths.train_metrics``), the per-epoch history DVC plots (``paths.history``) and the MLflow run the
 evaluate stage logs to (``paths.run_info``); then the exported model goes into that run. Written by global
-rank 0 only, each file atomically.
+rank 0 only, each file atomically. The metrics and the history are also rewritten after every validation
+(:func:`write_progress`), for a running training to be watched.
 
 Those outputs' directories and the checkpoints' are claimed by one training at a time (:func:`claim_training`,
 :func:`hold_training`; ddpipe.core.claims): a second training that would write them is refused while the first
@@ -81,6 +82,16 @@ def save_outputs(run: Resolved, outputs: TrainingOutputs, tracker: Tracker, info
         example = outputs.example_images.numpy()  # as a client has them: uint8, N x H x W for grey
         tracker.log_model(Path(paths.model), example[:, 0] if example.shape[1] == 1 else example, run.model_name)
     tracker.print_link()
+
+
+def write_progress(cfg: Config, metrics: dict[str, float], history: list[EpochStats], info: DistInfo) -> None:
+    """After each validation, on global rank 0: ``paths.train_metrics`` and ``paths.history`` with what is known so
+    far, each atomically, so that ``dvc metrics show``, ``dvc plots show`` and the VS Code extension show a running
+    training. The metrics say ``running: true`` (a stopped training leaves them so); :func:`save_outputs` writes the
+    finished training's, without it."""
+    if info.is_main:
+        atomic_write_json(cfg.paths.train_metrics, {"train": {**metrics, "running": True}})
+        atomic_write_text(cfg.paths.history, history_csv(history))
 
 
 def history_csv(history: list[EpochStats]) -> str:

@@ -232,8 +232,8 @@ def _champion(client: Any, journal: Any, run_id: str, rec: dict) -> None:
 
 def _export(client: Any, journal: Any, run_id: str, rec: dict) -> None:
     """The export stage's record: graphs that passed their check into the run (files under ``export/``, and with
-    ``mlflow.log_model`` the fp32 one as the pyfunc model ``model_onnx`` that runs ONNX Runtime), then the registered version's tags and the alias
-    (``ddpipe.tracking.champion.record_export``)."""
+    ``mlflow.log_model`` the fp32 one as the pyfunc model ``model_onnx`` that runs ONNX Runtime), then the
+    registered version's tags and the alias (``ddpipe.tracking.champion.record_export``)."""
     import mlflow
 
     from ddpipe.models.onnx_served import log_onnx_pyfunc
