@@ -51,16 +51,21 @@ class ModelSelection:
         """(weights, epoch, raw or ema) that become ``paths.model``: the best epoch's, or the last epoch's better
         of the module as it is now and its average."""
         epoch, source = self.exported_epoch(last_epoch, ema is not None)
-        if self.export == "best" and self.best_weights:
+        if self._best_kept:
             return self.best_weights, epoch, source
         return (ema.weights() if source == EMA and ema is not None else module.state_dict()), epoch, source
 
     def exported_epoch(self, last_epoch: int, averaged: bool) -> tuple[int, str]:
         """The epoch and kind (raw or ema) of the weights :meth:`exported` would give if the training ended now;
         ``averaged``: a weight average is kept."""
-        if self.export == "best" and self.best_weights:
+        if self._best_kept:
             return self.best_epoch, self.best_source
         return last_epoch, EMA if self.last_source == EMA and averaged else RAW
+
+    @property
+    def _best_kept(self) -> bool:
+        """The best epoch's copy is what leaves (train.export = best, once an epoch was validated)."""
+        return self.export == "best" and bool(self.best_weights)
 
     def state_dict(self) -> dict[str, object]:
         """For the checkpoint (tensors, numbers and words only, so ``weights_only`` loading accepts it)."""
