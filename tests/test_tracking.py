@@ -234,6 +234,34 @@ def test_a_journal_sent_twice_stores_each_record_once(monkeypatch: pytest.Monkey
     assert run_.data.params == {"seed": "1"} and run_.info.status == "FINISHED"
 
 
+def test_two_runs_that_log_one_dataset_at_once_both_get_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The store looks for the experiment's dataset, then inserts it; a sweep's children that start together both
+    insert it, and the later one hits the unique key (seen on SLURM: 'UNIQUE constraint failed: datasets...'). That
+    record is retried, so the run still names its dataset: one dataset, an input of both runs."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    client, run_id, journal = _journal_of_a_new_run(monkeypatch, tmp_path, "race")
+    sibling = client.create_run(client.get_run(run_id).info.experiment_id).info.run_id
+    real, raced = MlflowClient.log_inputs, []
+
+    def log_inputs(self, run_id_, datasets=None, models=None):  # noqa: ANN001, ANN202 - MlflowClient's own
+        if not raced:  # the sibling inserts the dataset between this run's look and its insert
+            raced.append(real(self, sibling, datasets=datasets))
+            raise MlflowException("(sqlite3.IntegrityError) UNIQUE constraint failed: datasets.experiment_id, "
+                                  "datasets.name, datasets.digest")
+        return real(self, run_id_, datasets=datasets, models=models)
+
+    monkeypatch.setattr(MlflowClient, "log_inputs", log_inputs)
+    journal.append("dataset", name="fashion_mnist", digest="0123abcd", source=str(tmp_path), context="training",
+                   tags={})
+    journal.append("end", status="FINISHED", reason="completed", time=1_700_000_009_000)
+    assert journal.deliver(wait=True).sent == 2 and raced
+    inputs = [client.get_run(r).inputs.dataset_inputs for r in (run_id, sibling)]
+    assert [[(d.dataset.name, d.dataset.digest) for d in i] for i in inputs] == [[("fashion_mnist", "0123abcd")]] * 2
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
 def test_a_store_that_refuses_for_good_turns_tracking_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE

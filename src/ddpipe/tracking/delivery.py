@@ -31,6 +31,10 @@ class Delivery:
     error: BaseException | None
 
 
+# how SQLite's and PostgreSQL's drivers word a unique key already taken (MLflow passes their message on)
+DUPLICATE_ROW = ("UNIQUE constraint failed", "duplicate key value violates unique constraint")
+
+
 class NoRunYet(RuntimeError):
     """A record of a run whose creation has not been delivered (another node's journal waits for the main one)."""
 
@@ -143,7 +147,16 @@ def _dataset(client: Any, journal: Any, run_id: str, rec: dict) -> None:
 
     dataset = MetaDataset(LocalArtifactDatasetSource(rec["source"]), name=rec["name"], digest=rec["digest"])
     tags = [InputTag("mlflow.data.context", rec["context"]), *(InputTag(k, v) for k, v in rec["tags"].items())]
-    client.log_inputs(run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=tags)])
+    inputs = [DatasetInput(dataset._to_mlflow_entity(), tags=tags)]
+    try:
+        client.log_inputs(run_id, datasets=inputs)
+    except Exception as exc:  # noqa: BLE001 - only a lost race is retried, anything else goes on up
+        # The store looks for the experiment's dataset, then inserts it: two runs of one experiment that log one
+        # dataset at once (a sweep's children) both insert it, and the second hits the unique key. The dataset is
+        # there now, so a second try links this run to it.
+        if not any(word in str(exc) for word in DUPLICATE_ROW):
+            raise
+        client.log_inputs(run_id, datasets=inputs)
 
 
 def _artifact(client: Any, journal: Any, run_id: str, rec: dict) -> None:
