@@ -71,11 +71,12 @@ tracking-server: setup server-deps
 repro: setup
 	dvc repro
 
-# A test file per core at once (pytest-xdist; a file's tests stay together, so its module fixtures start once).
-# TEST_WORKERS=0: one process, in order.
+# A test file per core at once (pytest-xdist; a file's tests stay together, so its module fixtures start once), the
+# longest files first (tests/conftest.py, LONGEST_FIRST). TEST_WORKERS=0: one process, in order.
 TEST_WORKERS ?= auto
+TEST_DIST = --dist loadfile --no-loadscope-reorder
 test: setup ui-deps slurm-deps server-deps ssh-deps
-	python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	python -m pytest -n $(TEST_WORKERS) $(TEST_DIST)
 
 # The SLURM tests alone: a two-node cluster on this host runs, stops and requeues train.sbatch jobs.
 test-slurm: setup slurm-deps
@@ -88,7 +89,7 @@ test-gpu: setup
 	python -m pytest -v tests/test_gpu.py
 
 test-fast: setup
-	python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+	python -m pytest -n $(TEST_WORKERS) $(TEST_DIST) -m "not slow"
 
 lint: setup
 	ruff check src stages tests bench

@@ -80,14 +80,14 @@ def main(argv: list[str] | None = None) -> None:
     label_transform(trainer)
     steps, meter = micro_batches(trainer), EpochMeter(trainer.device, EpochProgress())
     trainer.model.train()
-    for epoch, step in itertools.islice(steps, args.warmup):
-        trainer.train_step(step, epoch, meter)
+    for n, (epoch, step) in enumerate(itertools.islice(steps, args.warmup), start=1):
+        trainer.train_step(step, epoch, n, meter)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
     t0 = time.perf_counter()
     with profile(activities=activities) as prof:
-        for epoch, step in itertools.islice(steps, args.steps):
+        for n, (epoch, step) in enumerate(itertools.islice(steps, args.steps), start=args.warmup + 1):
             with record_function("train_step"):
-                trainer.train_step(step, epoch, meter)
+                trainer.train_step(step, epoch, n, meter)
     report(args, trainer, prof, 1e3 * (time.perf_counter() - t0) / args.steps)
 
 

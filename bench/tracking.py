@@ -8,6 +8,10 @@
 2. A 2-epoch training (Fashion-MNIST, 2,048 images) with its store answering, and with the store down for the
    whole training (``http://127.0.0.1:9``): wall seconds of ``python stages/train_worker.py``, and how long the
    delivery takes afterwards (``python -m ddpipe.outbox deliver``).
+3. ``--steps N``: instead, what the per-step figures cost params.yaml's training on this CPU (one plain process,
+   the repository's data/prepared): an optimizer step's wall ms, the non-finite check every step pays (the global
+   gradient norm and its host sync) and one step record (``train.log_every_n_steps``: the meter's sums, one journal
+   line), each timed alone.
 """
 
 from __future__ import annotations
@@ -18,7 +22,17 @@ import statistics
 import time
 from pathlib import Path
 
-from common import REPO, clean_env, ensure_prepared, markdown_table, mlflow_server, print_machine, run_timed, temp_dir
+from common import (
+    REPO,
+    clean_env,
+    config,
+    ensure_prepared,
+    markdown_table,
+    mlflow_server,
+    print_machine,
+    run_timed,
+    temp_dir,
+)
 
 from ddpipe.config.schema import Config, MlflowConfig
 from ddpipe.core.ranks import DistInfo
@@ -55,11 +69,66 @@ def logging_cost(uri: str, tmp: Path, calls: int) -> tuple[float, float]:
     return sync, queued
 
 
+def step_costs(steps: int, tmp: Path) -> list[list[str]]:
+    """Rows (what, ms, share of a step) for params.yaml's training: see the module's point 3."""
+    import torch
+
+    from ddpipe.distributed.group import init_distributed
+    from ddpipe.engine.loop import Trainer
+    from ddpipe.engine.meters import EpochMeter, EpochProgress, StepLog
+    from ddpipe.engine.resolved import resolve
+    from ddpipe.launch.torchrun import this_device
+
+    cfg = config(["train.log_every_n_steps=0", "train.progress_bar=false"])
+    cfg.paths.prepared = str(REPO / cfg.paths.prepared)
+    run = resolve(cfg, this_device())
+    trainer = Trainer(run, init_distributed(cfg.distributed, run.backend))
+    meter = EpochMeter(trainer.device, EpochProgress())
+    trainer.model.train()
+    batches = iter(trainer.data.train_batches(0, 0, trainer.steps_per_epoch))
+    times = []
+    for step in range(1, steps + 1):
+        t = time.perf_counter()
+        trainer.train_step([next(batches)], 0, step, meter)
+        times.append((time.perf_counter() - t) * 1000)
+    step_ms = statistics.median(times[2:])
+    x, labels, targets = trainer.objective.inputs(next(batches), 0)  # gradients to measure the check on
+    with trainer.compute.autocast():
+        trainer.optim.backward(trainer.objective.loss(trainer.model(x), labels, targets))
+    grads = [p.grad for p in trainer.module.parameters() if p.grad is not None]
+    check_ms = per_call_ms(lambda s: bool(torch.isfinite(torch.nn.utils.get_total_norm(grads))), 50)
+    tracker = MlflowTracker(MlflowConfig(experiment_name="bench", outbox=str(tmp / "outbox"),
+                                         tracking_uri=f"sqlite:///{tmp}/steps.db"), DistInfo())
+    tracker.start(Config(), {"seed": 0}, None, tmp, "seed_cnn")
+    log, one = StepLog(1, trainer.steps_per_epoch, DistInfo()), torch.tensor([2.0, 1.0, 1.0], dtype=torch.float64)
+
+    def record(s: int) -> None:  # a sample more each time (a microsecond's add), so that each call records
+        meter.sums += one
+        log.after(0, s + 1, meter, 0.1, grads[0].norm(), tracker)
+
+    record_ms = per_call_ms(record, 200)
+    tracker.finish()
+    every = Config().train.log_every_n_steps
+    print(f"{run.model_name}, global batch {run.global_batch_size(1)}, precision {trainer.compute.precision}, "
+          f"{torch.get_num_threads()} threads: {step_ms:.1f} ms a step (median of {steps - 2})")
+    return [["an optimizer step (forward, backward, update, the check included)", f"{step_ms:.2f}", "100%"],
+            ["the non-finite check (gradient norm, host sync), every step", f"{check_ms:.3f}",
+             f"{100 * check_ms / step_ms:.2f}%"],
+            ["one step record", f"{record_ms:.3f}", f"{100 * record_ms / step_ms:.2f}%"],
+            [f"step records at the default (every {every} steps), per step", f"{record_ms / every:.3f}",
+             f"{100 * record_ms / every / step_ms:.2f}%"]]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--steps", type=int, default=0, help="measure the per-step figures' cost over this many steps")
     args = p.parse_args()
     print_machine()
+    if args.steps:
+        with temp_dir("ddpipe-bench-steps-") as tmp:
+            print(markdown_table(["per step", "ms", "of a step"], step_costs(args.steps, tmp)))
+        return
     rows = []
     with temp_dir("ddpipe-bench-tracking-") as tmp:
         sqlite = f"sqlite:///{tmp}/mlflow.db"

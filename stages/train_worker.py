@@ -28,10 +28,15 @@ def main() -> None:
     from ddpipe.core.claims import InUse
     from ddpipe.core.exits import EXIT_PREEMPTED, Preempted
     from ddpipe.engine.loop import train
+    from ddpipe.engine.optimizer import Diverged
 
     try:
         with user_errors(InUse):  # another training writes the same directories: refused before writing
             train(run)
+    except Diverged as exc:  # every rank stops at that step; the run is FAILED in MLflow, saying so
+        if os.environ.get("RANK", "0") == "0":
+            print(str(exc), file=sys.stderr, flush=True)
+        sys.exit(1)
     except Preempted as exc:  # the run is KILLED in MLflow; the same command resumes it
         print(f"training {exc}; run the same command to resume from the newest checkpoint "
               f"(exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)

@@ -4,7 +4,9 @@ invalid parameters and hostile checkpoints. Each scenario asserts its outcome (R
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -175,3 +177,32 @@ def test_pickle_payload_in_the_checkpoint_directory_never_runs(tmp_path: Path, p
     assert "cannot be loaded" in result.stderr and "resuming from" in result.stdout
     assert not marker.exists()
     assert torch.load(tmp_path / "model.pt", weights_only=True)["state_dict"]
+
+
+def test_a_loss_gone_to_inf_stops_every_rank_at_one_step_and_keeps_the_last_good_checkpoint(
+        tmp_path: Path, prepared: Path) -> None:
+    """2 processes at a learning rate of 1e30: the logits overflow within a few steps and the gradients are no longer
+    finite. Every rank stops at that step before its update (none waits on a collective for a rank gone on), with one
+    line naming the epoch, the step, the norm and the usual suspects; the MLflow run is FAILED with that line; the
+    newest checkpoint is the step before (the weights finite); nothing is written as if the training had finished."""
+    from mlflow import MlflowClient
+
+    result = run(torchrun(2, *args_for(tmp_path, prepared, "train.optimizer=sgd", "train.base_lr=1e30",
+                                       "train.warmup_epochs=0", "train.checkpoint_every_steps=1")),
+                 env=CLONE_ENV, check=False, timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    said = [line for line in out.splitlines() if line.startswith("training diverged at epoch ")]
+    assert len(said) == 1 and "train.base_lr = 1e+30 (lower it)" in said[0], out[-4000:]
+    epoch, step = map(int, re.match(r"training diverged at epoch (\d+), step (\d+)", said[0]).groups())
+    assert "did not complete within distributed.timeout_s" not in out
+    newest = sorted((tmp_path / "ckpt").glob("ckpt-*.pt"))[-1]  # the step before (epoch - 1 and step - 1: from 0)
+    assert newest.name.endswith(f"-e{epoch - 1:04d}-s{step - 1:06d}.pt"), (newest.name, said[0])
+    state = torch.load(newest, weights_only=True)["model"]
+    assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+    assert not (tmp_path / "model.pt").exists()
+    train_json = tmp_path / "train.json"  # written after a validation only, and then as a running training's
+    assert not train_json.exists() or json.loads(train_json.read_text())["running"] is True
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (r,) = client.search_runs([client.get_experiment_by_name("ddpipe").experiment_id])
+    assert r.info.status == "FAILED" and said[0] in r.data.tags["ddpipe.end_reason"], r.data.tags

@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -247,3 +248,108 @@ def test_a_trial_trains_only_registers_nothing_and_carries_no_test_figures(tmp_p
     in_trial = trial_config(cfg)
     assert in_trial.mlflow.registered_model_name is None and cfg.mlflow.registered_model_name == "clf"
     assert in_trial.paths.checkpoints == str(tmp_path / "trial-0" / "checkpoints")
+
+
+# A trial's training of 9 epochs, faked: each epoch's validation accuracy (higher nearer lr 0.01, rising with the
+# epochs) goes through the training's own pruning hook (SearchTrial: report, then ask the study's pruner); a pruned
+# training ends as a pruned one does, its stage failed
+FAKE_EPOCHS = """
+import json, math, os, sys
+from ddpipe.core.ranks import DistInfo
+from ddpipe.engine.meters import EpochStats
+from ddpipe.engine.pruning import TRIAL_ENV, SearchTrial
+spec = json.loads(os.environ[TRIAL_ENV])
+trial = SearchTrial(spec, DistInfo())
+quality = 1.0 - abs(math.log10(trial.trial.params["train.base_lr"]) + 2.0) / 3.0
+for epoch in range(1, 10):
+    acc = quality * (1.0 - 0.5 ** epoch)
+    if trial.should_stop(EpochStats(epoch, 1 - acc, acc, 1 - acc, acc, 0.01, 1.0, 1.0), None, 9):
+        sys.exit(1)
+"""
+
+
+def test_hyperband_prunes_trials_at_its_rungs_and_keeps_the_best(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """search.pruner=hyperband through a study's whole run (9-epoch trainings, faked; the best learning rate first):
+    the first trial completes all 9 epochs (it sets Hyperband's max resource), the study ends with its 8 trials
+    finished, some pruned, each after an epoch that is one of its bracket's rungs (1 or 3 of 9: min resource 1,
+    reduction factor 3), and the best trial is the first."""
+    from ddpipe.search import driver
+    from ddpipe.search.study import open_study
+
+    _fake_trials(monkeypatch, tmp_path)
+    monkeypatch.setattr(driver, "command", lambda plan, trial: [sys.executable, "-c", FAKE_EPOCHS])
+    plan = _plan(tmp_path, "search.study=hb", "search.sampler=random", "search.trials=8", "search.jobs=1",
+                 "search.pruner=hyperband", "search.first=[{train.base_lr: 0.01}]")
+    said: list[str] = []
+    driver.run(plan, tmp_path, say=said.append)
+    study = open_study(plan)
+    trials = study.get_trials(deepcopy=False)
+    states = [t.state.name for t in trials]
+    assert len(trials) == 8 and set(states) == {"COMPLETE", "PRUNED"}, (states, said)
+    assert max(trials[0].intermediate_values) == 9 and study.best_trial.number == 0
+    pruned = [t for t in trials if t.state.name == "PRUNED"]
+    assert pruned and all(t.user_attrs["pruned_epoch"] == max(t.intermediate_values) and
+                          t.user_attrs["pruned_epoch"] in (1, 3) for t in pruned), \
+        [(t.number, t.user_attrs.get("pruned_epoch"), sorted(t.intermediate_values)) for t in pruned]
+    assert all(max(t.intermediate_values) == 9 for t in trials if t.state.name == "COMPLETE")
+
+
+def test_a_database_trial_whose_driver_elsewhere_dies_is_run_again_after_its_heartbeat_not_before(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A database study (SQLite here; PostgreSQL alike) with two trials of a driver on another host: one it pruned
+    just before it died, one RUNNING whose heartbeat that driver keeps until this driver, its own trials done, is
+    waiting for it (a second more), then stops (it died). Only after the heartbeat has been silent for the grace
+    period is the trial failed and its params run again here: the study ends with its 4 finished, the pruned trial
+    still PRUNED."""
+    import datetime
+    import threading
+
+    import optuna
+    from optuna.trial import TrialState
+
+    from ddpipe.search import driver
+    from ddpipe.search import study as studies
+
+    _fake_trials(monkeypatch, tmp_path)
+    monkeypatch.setattr(studies, "HEARTBEAT_S", 0.5)
+    monkeypatch.setattr(studies, "GRACE_S", 2)
+    plan = _plan(tmp_path, "search.study=db", f"search.storage=sqlite:///{tmp_path}/study.db", "search.first=[]",
+                 "search.sampler=random", "search.trials=4", "search.jobs=1", "search.pruner=none")
+    study = studies.open_study(plan)
+    elsewhere = {"host": "login-b.invalid", "pid": 4242, "started": "0"}
+    space = {k: d.to_optuna() for k, d in plan.space.items()}
+    pruned, held = study.ask(space), study.ask(space)
+    for trial in (pruned, held):
+        trial.set_user_attr("driver", elsewhere)
+        study._storage.record_heartbeat(trial._trial_id)
+    pruned.report(-3.0, 1)
+    study.tell(pruned, state=TrialState.PRUNED)
+    died: list[datetime.datetime] = []
+    said: list[str] = []
+
+    def beat() -> None:  # the other host's driver, alive until this one waits for it, and a second more
+        deadline, waiting = time.time() + 300, None
+        while time.time() < deadline and (waiting is None or time.time() < waiting + 1):
+            study._storage.record_heartbeat(held._trial_id)
+            if waiting is None and any("waiting for trial(s) held by other drivers" in line for line in said):
+                waiting = time.time()
+            time.sleep(0.2)
+        died.append(datetime.datetime.now())  # Optuna's clock for a trial's start and end
+
+    beater = threading.Thread(target=beat)
+    beater.start()
+    driver.run(plan, tmp_path, say=said.append)
+    beater.join()
+    trials = studies.open_study(plan).get_trials(deepcopy=False)
+    states = [t.state for t in trials]
+    assert states[:2] == [TrialState.PRUNED, TrialState.FAIL], (states, said)
+    assert sum(s in (TrialState.COMPLETE, TrialState.PRUNED) for s in states) == 4 and TrialState.RUNNING not in states
+    retried = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number
+    (again,) = [t for t in trials if retried(t) == held.number]
+    assert again.state == TrialState.COMPLETE and again.params == held.params
+    assert died and trials[1].datetime_complete >= died[0]  # failed once silent, never while its driver beat
+    assert again.datetime_start >= trials[1].datetime_complete
+    assert any("waiting for trial(s) held by other drivers" in line for line in said), said
+    assert any("trial(s) 1 had no driver any more" in line for line in said), said
+    assert optuna.load_study(study_name="db", storage=plan.storage).best_trial.number != 1

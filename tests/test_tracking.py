@@ -79,6 +79,7 @@ def test_training_and_evaluation_make_one_complete_run(tmp_path: Path, prepared:
     run(["python", "stages/evaluate.py", *args])
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = _client(uri)
+    cfg = load_config(args, params_file=PARAMS)
     exp = client.get_experiment_by_name("unit")
     runs = client.search_runs([exp.experiment_id])
     assert len(runs) == 1
@@ -88,7 +89,6 @@ def test_training_and_evaluation_make_one_complete_run(tmp_path: Path, prepared:
     assert f"#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=ddpipe" \
         in trained.stdout
     assert "test_accuracy" in exp.tags["mlflow.sharedViewState.ddpipe"]
-    cfg = load_config(args, params_file=PARAMS)
     assert r.data.params["num_epochs"] == "2" and r.data.params["train.base_lr"] == str(cfg.train.base_lr)
     assert r.data.params["world_size"] == "1" and "effective_lr" in r.data.params
     for tag in ("git_commit", "git_dirty", "world_size", "backend", "device_type", "torch_version", "host"):
@@ -96,6 +96,15 @@ def test_training_and_evaluation_make_one_complete_run(tmp_path: Path, prepared:
     history = client.get_metric_history(r.info.run_id, "val_accuracy")
     assert [m.step for m in history] == [1, 2]  # epochs counted from 1, as in DVC's history
     assert "test_accuracy" in r.data.metrics and "test_macro_f1" in r.data.metrics
+    # every train.log_every_n_steps (10) steps, at the global step: the loss so far, the lr, the norm, images/s
+    per_epoch, every = int(r.data.params["steps_per_epoch"]), cfg.train.log_every_n_steps
+    steps = [e * per_epoch + s for e in range(2) for s in range(every, per_epoch + 1, every)]
+    for key in ("train_loss_step", "lr_step", "grad_norm", "images_per_s_step"):
+        points = client.get_metric_history(r.info.run_id, key)
+        assert sorted(m.step for m in points) == steps and all(m.value > 0 for m in points), key
+    losses = [m.value for m in sorted(client.get_metric_history(r.info.run_id, "train_loss_step"),
+                                      key=lambda m: m.step)]
+    assert losses[-1] < losses[0]  # it learns: the epoch's figure, seen as it goes
     artifacts = {a.path for a in client.list_artifacts(r.info.run_id, "evaluation")}
     assert {"evaluation/confusion_matrix.png", "evaluation/misclassified.png"} <= artifacts
 

@@ -30,7 +30,7 @@ from ddpipe.distributed.preemption import StopRequests, follow_launcher
 from ddpipe.engine.assembly import Network, build_network
 from ddpipe.engine.checkpoint import Checkpointer, Position, run_fingerprint
 from ddpipe.engine.ema import WeightAverage
-from ddpipe.engine.meters import EpochMeter, EpochProgress, EpochStats, final_metrics, measure_split
+from ddpipe.engine.meters import EpochMeter, EpochProgress, EpochStats, StepLog, final_metrics, measure_split
 from ddpipe.engine.objective import Objective
 from ddpipe.engine.optimizer import Optimization
 from ddpipe.engine.progress import make_progress
@@ -65,6 +65,7 @@ class Trainer:
         self.objective = Objective(tc, self.data, info.device)
         self.ema = WeightAverage(self.module, tc.ema_decay) if tc.ema_decay is not None else None
         self.steps_per_epoch = run.steps_per_epoch(info.world_size)
+        self.step_log = StepLog(tc.log_every_n_steps, self.steps_per_epoch, info)
         self.optim = Optimization(tc, lambda lr: self.finetune.param_groups(self.module, lr), info.world_size,
                                   self.steps_per_epoch, cfg.num_epochs, self.compute.grad_scaler(),
                                   exact_clip_grad_norm_ if cfg.distributed.exact else nn.utils.clip_grad_norm_)
@@ -111,12 +112,8 @@ class Trainer:
         self.finetune.freeze_batchnorm(self.module)
         with contextlib.closing(bar):
             for step, micro_batches in enumerate(in_steps(loader, accum), start=start_step + 1):
-                self.train_step(micro_batches, epoch, meter)
-                if threads := self.share.rebalance():  # another training started or ended on this host
-                    dd.print0(f"threads per process now {threads} from epoch {epoch + 1}, step {step} (trainings "
-                              "sharing this host's cores)", info=self.info)
-                    self.tracker.log_metrics({"threads_per_process": threads},
-                                             step=epoch * self.steps_per_epoch + step)
+                self.train_step(micro_batches, epoch, step, meter)
+                rebalance(self, epoch, step)  # another training started or ended on this host
                 bar.step(step, meter)
                 if step < self.steps_per_epoch:  # the epoch's end checkpoints (and stops) in fit()
                     self._between_steps(epoch, step, meter)
@@ -126,12 +123,13 @@ class Trainer:
         dd.print0(stats.summary(self.cfg.num_epochs), info=self.info)
         return stats
 
-    def train_step(self, micro_batches: list[tuple], epoch: int, meter: EpochMeter) -> None:
-        """One optimizer step over ``grad_accum_steps`` micro-batches; DDP all-reduces the gradients
-        during the last one's backward only."""
+    def train_step(self, micro_batches: list[tuple], epoch: int, step: int, meter: EpochMeter) -> None:
+        """Optimizer step ``step`` (from 1) of ``epoch`` (from 0) over ``grad_accum_steps`` micro-batches; DDP
+        all-reduces the gradients during the last one's backward only (non-finite ones stop every rank here)."""
         for i, batch in enumerate(micro_batches):
             self._forward_backward(batch, epoch, meter, sync=i == len(micro_batches) - 1)
-        self.optim.step(self.module.parameters())
+        norm = self.optim.step(self.module.parameters(), (epoch + 1, step))
+        self.step_log.after(epoch, step, meter, self.optim.stepped_lr, norm, self.tracker)
         if self.ema is not None:
             self.ema.update(self.module)
 
@@ -228,6 +226,15 @@ def placed_network(run: Resolved, info: DistInfo, compute: PrecisionPolicy) -> t
     if run.deterministic_kernels(info.device):
         global_pools_as_reductions(network.module)
     return network, compute.place(network.module)
+
+
+def rebalance(t: Trainer, epoch: int, step: int) -> None:
+    """After step ``step`` of ``epoch`` (from 0): the threads of this host's trainings shared anew when one started or
+    ended beside this one (ddpipe.distributed.host_leases), said and logged."""
+    if threads := t.share.rebalance():
+        dd.print0(f"threads per process now {threads} from epoch {epoch + 1}, step {step} (trainings sharing this "
+                  "host's cores)", info=t.info)
+        t.tracker.log_metrics({"threads_per_process": threads}, step=epoch * t.steps_per_epoch + step)
 
 
 def stage_metrics(t: Trainer, exported_epoch: int, source: str) -> dict[str, float]:

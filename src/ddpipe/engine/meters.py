@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -120,6 +121,36 @@ class EpochMeter:
         sums = dd.all_reduce_sum(self.sums, info)
         sums += self._resumed_sums()
         return self._named(sums)
+
+
+class StepLog:
+    """Every ``every`` optimizer steps (``train.log_every_n_steps``; 0: per epoch only), on global rank 0: the mean
+    training loss of this rank's samples since the last record, the learning rate the step used, the global gradient
+    norm before clipping and images/s (this rank's, times the world size), to ``tracker`` at the global step
+    (``epoch * steps_per_epoch + step``, as ``threads_per_process``) as ``train_loss_step``, ``lr_step``,
+    ``grad_norm`` and ``images_per_s_step``. One host sync per record (the meter's sums), none between; the record
+    goes through the run's outbox, as an epoch's does."""
+
+    def __init__(self, every: int, steps_per_epoch: int, info: DistInfo) -> None:
+        self.every = every if info.is_main else 0
+        self.steps_per_epoch, self.world_size = steps_per_epoch, info.world_size
+        self.last: tuple[EpochMeter, EpochProgress] | None = None
+
+    def after(self, epoch: int, step: int, meter: EpochMeter, lr: float, norm: torch.Tensor | None,
+              tracker: Any) -> None:
+        """After step ``step`` (from 1) of ``epoch`` (from 0), whose figures ``meter`` holds."""
+        if not self.every or step % self.every:
+            return
+        now = meter.local()
+        before = self.last[1] if self.last and self.last[0] is meter else EpochProgress(seconds=meter.resumed.seconds)
+        count = now.count - before.count
+        if count <= 0:
+            return
+        metrics = {"train_loss_step": (now.loss_sum - before.loss_sum) / count, "lr_step": lr,
+                   "images_per_s_step": count * self.world_size / max(now.seconds - before.seconds, 1e-9),
+                   **({"grad_norm": float(norm)} if norm is not None else {})}
+        tracker.log_metrics(metrics, step=epoch * self.steps_per_epoch + step)
+        self.last = (meter, now)
 
 
 @torch.no_grad()

@@ -73,6 +73,20 @@ def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_pe
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, steps_per_epoch, num_epochs))
 
 
+class Diverged(RuntimeError):
+    """The training stopped at a step whose gradients were not finite, before its optimizer step (every rank at the
+    same step); the newest checkpoint holds the last good weights. Its text is the one line the worker prints."""
+
+    def __init__(self, epoch: int, step: int, norm: float, cfg: TrainConfig) -> None:
+        clip = "null" if cfg.grad_clip_norm is None else f"{cfg.grad_clip_norm:g}"
+        super().__init__(
+            f"training diverged at epoch {epoch}, step {step}: the gradient norm is {norm} (a loss gone to inf or NaN);"
+            f" stopped before that step's update, nothing written as finished, the newest checkpoint kept. The usual "
+            f"suspects: train.base_lr = {cfg.base_lr:g} (lower it) and train.grad_clip_norm = {clip} "
+            "(set it, e.g. 1.0)")
+        self.epoch, self.step, self.norm = epoch, step, norm
+
+
 class Optimization:
     """One training's optimizer over the parameter ``groups`` made for its peak lr (``effective_lr``), the lr
     schedule and fp16 loss scaling: :meth:`backward` for each micro-batch's loss, :meth:`step` once per
@@ -80,7 +94,7 @@ class Optimization:
 
     def __init__(self, cfg: TrainConfig, groups: Callable[[float], list[dict]], world_size: int, steps_per_epoch: int,
                  num_epochs: int, scaler: torch.amp.GradScaler, clip: Callable[..., torch.Tensor]) -> None:
-        self.cfg, self.scaler, self.clip = cfg, scaler, clip
+        self.cfg, self.scaler, self.clip, self.stepped_lr = cfg, scaler, clip, 0.0
         self.effective_lr, self.optimizer, self.scheduler = build_optimization(cfg, groups, world_size,
                                                                                steps_per_epoch, num_epochs)
 
@@ -88,14 +102,27 @@ class Optimization:
         """The gradients of one of ``grad_accum_steps`` micro-batches' mean loss."""
         self.scaler.scale(loss / self.cfg.grad_accum_steps).backward()
 
-    def step(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+    def step(self, parameters: Iterable[torch.nn.Parameter], where: tuple[int, int]) -> torch.Tensor | None:
+        """Optimizer step ``where`` (epoch, step, both from 1); returns the global gradient norm before clipping.
+        Gradients that are not finite (a loss gone to inf or NaN on any rank: DDP's sum spreads it to every rank's
+        gradients, so every rank sees it at the same step) raise :class:`Diverged` before the optimizer steps: the
+        weights stay the last good ones. Under fp16 loss scaling (None returned unless clipping) the scaler skips
+        such a step itself."""
+        params = [p for p in parameters if p.grad is not None]
+        norm, scaled = None, self.scaler.is_enabled()
         if self.cfg.grad_clip_norm is not None:
             self.scaler.unscale_(self.optimizer)
-            self.clip(parameters, self.cfg.grad_clip_norm)
+            norm = self.clip(params, self.cfg.grad_clip_norm)
+        elif not scaled:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if norm is not None and not scaled and not torch.isfinite(norm):  # one host sync a step
+            raise Diverged(*where, float(norm), self.cfg)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        self.stepped_lr = self.lr  # the lr this step used (the schedule moves on now)
         self.scheduler.step()
+        return norm
 
     @property
     def lr(self) -> float:

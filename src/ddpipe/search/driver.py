@@ -19,6 +19,8 @@ trials so, and one that is killed leaves them to stop so (their workers follow t
 trials stay RUNNING, and the next ``run`` on this host resumes each under its number (or records it, when its
 experiment was finished), before it asks for new ones. Several drivers may run one study at once (``study``: seeded
 apart, the ``first`` trials once, a dead driver's trial taken by one); a trial another finished is skipped (``tell``).
+With a database, a trial whose heartbeat stopped (its driver, on any host, gone) is failed and run again by the
+next driver to ask; a driver with nothing left waits while others' trials run, so that such a trial is still run.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from ddpipe.engine.pruning import TRIAL_ENV
 from ddpipe.launch import workspace
 from ddpipe.launch.cluster.queue import exp_ref, git
 from ddpipe.search import cluster as on_cluster
+from ddpipe.search import study as studies
 from ddpipe.search.space import Plan, override_text
 from ddpipe.search.study import FIRST, SearchError, close_stale, driver_mark, first_of, held_note, open_study, orphans
 
@@ -126,13 +129,11 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
     if resume:
         say(f"search {plan.settings.study}: trial(s) {', '.join(str(t.number) for t in resume)} lost their driver: "
             "resumed under the same number from their checkpoints")
-    if closed := close_stale(study):
-        say(f"search {plan.settings.study}: trial(s) {', '.join(map(str, closed))} had no driver any more: failed, "
-            "queued again with the same params")
+    take_stale(plan, study, say)
     if note := held_note(study, plan.storage):
         say(note)
     running: list[Running] = []
-    failed_in_a_row = 0
+    failed_in_a_row, looked, waited = 0, time.time(), False
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         while True:
@@ -143,8 +144,16 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
                    and finished(study) + in_flight(study) < plan.settings.trials):
                 running.append(start(plan, study, root, say, cluster=cluster))
             if not running and not resume:
-                break
+                if "://" not in plan.storage or not in_flight(study) or finished(study) >= plan.settings.trials:
+                    break
+                if not waited:  # a database's trials held by drivers elsewhere: this one stays for any that go quiet
+                    say(f"search {plan.settings.study}: waiting for trial(s) held by other drivers; one whose "
+                        f"heartbeat stops for {studies.GRACE_S} s is run again here")
+                    waited = True
             time.sleep(POLL_S)
+            if "://" in plan.storage and time.time() - looked >= studies.HEARTBEAT_S:
+                looked = time.time()
+                take_stale(plan, study, say)
             heartbeat(study, [r.trial._trial_id for r in running] + [t._trial_id for t in resume])
             for done in [r for r in running if r.process.poll() is not None]:
                 running.remove(done)
@@ -169,6 +178,14 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
         raise SearchError(f"search {plan.settings.study}: {failed_in_a_row} trials failed in a row; see their logs in "
                            f"{plan.folder} (python -m ddpipe.search status)")
     return study
+
+
+def take_stale(plan: Plan, study: Any, say: Any) -> None:
+    """A database's RUNNING trials whose heartbeat stopped (their driver, on any host, gone): failed, each queued again
+    with its params, which the next ask of any driver takes (:func:`ddpipe.search.study.close_stale`)."""
+    if closed := close_stale(study):
+        say(f"search {plan.settings.study}: trial(s) {', '.join(map(str, closed))} had no driver any more: failed, "
+            "queued again with the same params")
 
 
 def check_names(plan: Plan, study: Any, root: Path) -> None:
