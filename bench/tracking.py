@@ -76,6 +76,7 @@ def step_costs(steps: int, tmp: Path) -> list[list[str]]:
     from ddpipe.distributed.group import init_distributed
     from ddpipe.engine.loop import Trainer
     from ddpipe.engine.meters import EpochMeter, EpochProgress, StepLog
+    from ddpipe.engine.optimizer import grad_norm
     from ddpipe.engine.resolved import resolve
     from ddpipe.launch.torchrun import this_device
 
@@ -95,8 +96,9 @@ def step_costs(steps: int, tmp: Path) -> list[list[str]]:
     x, labels, targets = trainer.objective.inputs(next(batches), 0)  # gradients to measure the check on
     with trainer.compute.autocast():
         trainer.optim.backward(trainer.objective.loss(trainer.model(x), labels, targets))
-    grads = [p.grad for p in trainer.module.parameters() if p.grad is not None]
-    check_ms = per_call_ms(lambda s: bool(torch.isfinite(torch.nn.utils.get_total_norm(grads))), 50)
+    params = [p for p in trainer.module.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
+    check_ms = per_call_ms(lambda s: bool(torch.isfinite(grad_norm(params))), 50)  # as Optimization.step does
     tracker = MlflowTracker(MlflowConfig(experiment_name="bench", outbox=str(tmp / "outbox"),
                                          tracking_uri=f"sqlite:///{tmp}/steps.db"), DistInfo())
     tracker.start(Config(), {"seed": 0}, None, tmp, "seed_cnn")

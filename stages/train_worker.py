@@ -33,10 +33,8 @@ def main() -> None:
     try:
         with user_errors(InUse):  # another training writes the same directories: refused before writing
             train(run)
-    except Diverged as exc:  # every rank stops at that step; the run is FAILED in MLflow, saying so
-        if os.environ.get("RANK", "0") == "0":
-            print(str(exc), file=sys.stderr, flush=True)
-        sys.exit(1)
+    except Diverged:  # every rank stopped at that step, rank 0 said so in one line, the run is FAILED saying so
+        sys.exit(1)   # no traceback: the line is the whole story
     except Preempted as exc:  # the run is KILLED in MLflow; the same command resumes it
         print(f"training {exc}; run the same command to resume from the newest checkpoint "
               f"(exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)

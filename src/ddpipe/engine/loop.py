@@ -10,6 +10,7 @@ import contextlib
 import inspect
 import itertools
 import os
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -32,7 +33,7 @@ from ddpipe.engine.checkpoint import Checkpointer, Position, run_fingerprint
 from ddpipe.engine.ema import WeightAverage
 from ddpipe.engine.meters import EpochMeter, EpochProgress, EpochStats, StepLog, final_metrics, measure_split
 from ddpipe.engine.objective import Objective
-from ddpipe.engine.optimizer import Optimization
+from ddpipe.engine.optimizer import Diverged, Optimization
 from ddpipe.engine.progress import make_progress
 from ddpipe.engine.pruning import after_epoch as search_trial_after_epoch
 from ddpipe.engine.pruning import after_stop as search_trial_after_stop
@@ -328,9 +329,13 @@ def train(run: Resolved) -> dict[str, float]:
             trainer = Trainer(run, info, stops, share)
             return trainer.fit()
     except BaseException as exc:
+        if isinstance(exc, Diverged) and info.is_main:  # its one line first, before what a stop could cut short
+            print(str(exc), file=sys.stderr, flush=True)
         if trainer is not None:  # this node's system metrics stop, and the run ends saying why
             trainer.system.stop()
             trainer.tracker.end_after(exc)
+        if isinstance(exc, Diverged):  # every rank stopped at this step: none leaves before rank 0 closed the run
+            dd.barrier(info)  # (torchrun stops the group once one rank has left)
         if isinstance(exc, Preempted):  # a search's trial runs again under its number, from this step
             search_trial_after_stop(info, str(exc))
         if isinstance(exc, RuntimeError) and info.distributed and dd.is_timeout(exc):

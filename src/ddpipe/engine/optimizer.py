@@ -73,6 +73,15 @@ def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_pe
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, steps_per_epoch, num_epochs))
 
 
+def grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The global norm of ``params``' gradients, summed in fp64: it is not finite exactly where a gradient is not (no
+    overflow of finite ones), so every rank, holding the same all-reduced gradients, agrees."""
+    if not params:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad, dtype=torch.float64)
+                                                 for p in params]))
+
+
 class Diverged(RuntimeError):
     """The training stopped at a step whose gradients were not finite, before its optimizer step (every rank at the
     same step); the newest checkpoint holds the last good weights. Its text is the one line the worker prints."""
@@ -114,7 +123,7 @@ class Optimization:
             self.scaler.unscale_(self.optimizer)
             norm = self.clip(params, self.cfg.grad_clip_norm)
         elif not scaled:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            norm = grad_norm(params)
         if norm is not None and not scaled and not torch.isfinite(norm):  # one host sync a step
             raise Diverged(*where, float(norm), self.cfg)
         self.scaler.step(self.optimizer)

@@ -144,17 +144,18 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
                    and finished(study) + in_flight(study) < plan.settings.trials):
                 running.append(start(plan, study, root, say, cluster=cluster))
             if not running and not resume:
-                if "://" not in plan.storage or not in_flight(study) or finished(study) >= plan.settings.trials:
+                if ("://" not in plan.storage or failed_in_a_row >= MAX_FAILED_IN_A_ROW or not in_flight(study)
+                        or finished(study) >= plan.settings.trials):
                     break
                 if not waited:  # a database's trials held by drivers elsewhere: this one stays for any that go quiet
                     say(f"search {plan.settings.study}: waiting for trial(s) held by other drivers; one whose "
                         f"heartbeat stops for {studies.GRACE_S} s is run again here")
                     waited = True
             time.sleep(POLL_S)
-            if "://" in plan.storage and time.time() - looked >= studies.HEARTBEAT_S:
+            heartbeat(study, [r.trial._trial_id for r in running] + [t._trial_id for t in resume])
+            if "://" in plan.storage and time.time() - looked >= studies.HEARTBEAT_S:  # after this driver's own beat
                 looked = time.time()
                 take_stale(plan, study, say)
-            heartbeat(study, [r.trial._trial_id for r in running] + [t._trial_id for t in resume])
             for done in [r for r in running if r.process.poll() is not None]:
                 running.remove(done)
                 state = record(plan, study, root, done, say)
@@ -251,6 +252,7 @@ def start(plan: Plan, study: Any, root: Path, say: Any, resumed: Any = None,
     """Ask the study for the next trial (or take ``resumed``, a trial to run again) and start its experiment: here,
     or as a job of ``cluster``'s scheduler."""
     trial = resumed if resumed is not None else ask(plan, study, say)
+    heartbeat(study, [trial._trial_id])  # from the first instant: a trial never beaten would never go stale
     name = experiment_name(plan.settings.study, trial.number)
     attempt = int(trial.user_attrs.get("attempts", 0)) + 1
     trial.set_user_attr("driver", driver_mark())

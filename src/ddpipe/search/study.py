@@ -122,6 +122,8 @@ def first_of(study: Any, trial: Any) -> int | None:
     index = trial.user_attrs.get(FIRST)
     if index is None:
         return None
+    if study._storage.get_trial(trial._trial_id).system_attrs.get("failed_trial") is not None:
+        return None  # a stale trial's retry (RetryHeartbeatStaleTrialCallback copies user attrs): it runs, always
     lowest = min(t.number for t in study.get_trials(deepcopy=False) if t.user_attrs.get(FIRST) == index)
     return lowest if lowest != trial.number else None
 

@@ -31,8 +31,8 @@ class Delivery:
     error: BaseException | None
 
 
-# how SQLite's and PostgreSQL's drivers word a unique key already taken (MLflow passes their message on)
-DUPLICATE_ROW = ("UNIQUE constraint failed", "duplicate key value violates unique constraint")
+# how SQLite's, PostgreSQL's and MySQL's drivers word a unique key already taken (MLflow passes their message on)
+DUPLICATE_ROW = ("UNIQUE constraint failed", "duplicate key value violates unique constraint", "Duplicate entry")
 
 
 class NoRunYet(RuntimeError):
