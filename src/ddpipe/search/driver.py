@@ -144,7 +144,7 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
                    and finished(study) + in_flight(study) < plan.settings.trials):
                 running.append(start(plan, study, root, say, cluster=cluster))
             if not running and not resume:
-                if ("://" not in plan.storage or failed_in_a_row >= MAX_FAILED_IN_A_ROW or not in_flight(study)
+                if (not studies.beating(study) or failed_in_a_row >= MAX_FAILED_IN_A_ROW or not in_flight(study)
                         or finished(study) >= plan.settings.trials):
                     break
                 if not waited:  # a database's trials held by drivers elsewhere: this one stays for any that go quiet
@@ -153,7 +153,7 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
                     waited = True
             time.sleep(POLL_S)
             heartbeat(study, [r.trial._trial_id for r in running] + [t._trial_id for t in resume])
-            if "://" in plan.storage and time.time() - looked >= studies.HEARTBEAT_S:  # after this driver's own beat
+            if studies.beating(study) and time.time() - looked >= studies.HEARTBEAT_S:  # after this driver's own beat
                 looked = time.time()
                 take_stale(plan, study, say)
             for done in [r for r in running if r.process.poll() is not None]:
@@ -339,10 +339,9 @@ def again(plan: Plan, study: Any, root: Path, frozen: Any, say: Any,
 
 def heartbeat(study: Any, trial_ids: list[int]) -> None:
     """A database's heartbeat of every trial this driver holds (a journal file has none: see study.orphans)."""
-    store = study._storage  # the storage the study was opened with (Optuna keeps no public handle on it)
-    if getattr(store, "get_heartbeat_interval", lambda: None)():
+    if studies.beating(study):
         for trial_id in trial_ids:
-            store.record_heartbeat(trial_id)
+            study._storage.record_heartbeat(trial_id)
 
 
 def stop(process: subprocess.Popen | on_cluster.ClusterTrial) -> None:

@@ -161,8 +161,7 @@ def orphans(study: Any, where: str) -> list[Any]:
     from optuna.trial import TrialState
 
     found = []
-    store = study._storage  # the storage the study was opened with (Optuna keeps no public handle on it)
-    beats = getattr(store, "get_heartbeat_interval", lambda: None)()
+    store, beats = study._storage, beating(study)
     with named_host_lock("search-takeover", where, study.study_name):
         for trial in study.get_trials(states=(TrialState.RUNNING,)):  # read inside the lock: what the last holder wrote
             mark = trial.user_attrs.get("driver") or {}
@@ -197,6 +196,13 @@ def held_note(study: Any, where: str) -> str | None:
             "so they are left to that driver and count as in flight. If it is gone, run `python -m ddpipe.search "
             f"run` on {hosts[0]}, which resumes them; drivers on several hosts keep the study in a database "
             "(search.storage=postgresql://...), whose heartbeat hands a dead host's trials to the others")
+
+
+def beating(study: Any) -> bool:
+    """Whether ``study``'s storage keeps a heartbeat of its trials (a database opened by a driver; a journal file has
+    none): what lets a dead driver's trial on any host be told from a live one's (:func:`close_stale`)."""
+    store = study._storage  # the storage the study was opened with (Optuna keeps no public handle on it)
+    return bool(getattr(store, "get_heartbeat_interval", lambda: None)())
 
 
 def close_stale(study: Any) -> list[int]:
