@@ -135,7 +135,9 @@ def test_training_and_evaluation_make_one_complete_run(tmp_path: Path, prepared:
     assert [x.info.run_id for x in client.search_runs([exp.experiment_id])] == [r.info.run_id]
     models = mlflow.search_logged_models(experiment_ids=[exp.experiment_id], output_format="list",
                                          filter_string=f"source_run_id = '{r.info.run_id}'")
-    assert len(models) == 1
+    assert len(models) == 1 and str(models[0].status).upper().endswith("READY")
+    # the run lists it among its outputs (MLflow's run page, "Logged models"); no run was made active to log it
+    assert [o.model_id for o in client.get_run(r.info.run_id).outputs.model_outputs] == [models[0].model_id]
 
 
 @pytest.mark.slow

@@ -20,8 +20,10 @@ sent and what is accepted.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -197,33 +199,53 @@ mlflow.models.set_model(MlflowImageClassifier())
 '''
 
 
+@contextlib.contextmanager
+def model_of_run(mlflow: Any, run_id: str, name: str) -> Iterator[str]:
+    """A new logged model ``name`` whose source is run ``run_id`` (with the run's params): its id, for a flavor's
+    ``log_model(model_id=...)`` to fill and mark READY; then recorded as the run's output. No run is made active for
+    it: handed one, MLflow's model logging reads the whole history of every metric of the run, a request per metric,
+    to link the values at its step to the model, which for a run with step and system metrics took most of a
+    minute against a shared server (the server sweep's export stage: 80 of its 100 s). The model's metrics stay on
+    its run, one link away."""
+    from mlflow.entities import LoggedModelOutput
+
+    client = mlflow.MlflowClient()
+    run = client.get_run(run_id)
+    model = mlflow.initialize_logged_model(name=name, source_run_id=run_id, params=dict(run.data.params),
+                                           experiment_id=run.info.experiment_id)
+    yield model.model_id
+    client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=0)])
+
+
 def log_pyfunc(mlflow: Any, run_id: str, model_path: Path, input_example: Any, model_name: str,
               registered_model_name: str | None, git_commit: str) -> None:
-    """``model_path`` (``paths.model``, a network ``model_name``) into the active run ``run_id`` as a pyfunc
-    :class:`MlflowImageClassifier` that a client calls with plain images, logged as code (:data:`MODEL_CODE`: no
+    """``model_path`` (``paths.model``, a network ``model_name``) into run ``run_id`` as the pyfunc model ``model``,
+    a :class:`MlflowImageClassifier` that a client calls with plain images, logged as code (:data:`MODEL_CODE`: no
     pickle); registered as a new version of ``registered_model_name`` when set, tagged with ``git_commit``.
     Nothing is logged when the run already holds this model (see :func:`_has_model`)."""
     classifier = ImageClassifier.load(model_path)
     if _has_model(mlflow, run_id, classifier.exported_epoch):
         print(f"MLflow run {run_id} already holds this model; not logging it again", flush=True)
         return
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, model_of_run(mlflow, run_id, "model") as model_id:
         code = Path(tmp) / MODEL_CODE_FILE
         code.write_text(MODEL_CODE)
-        info = _log_pyfunc(mlflow, code, model_path, input_example, model_name, registered_model_name, classifier)
-    mlflow.set_tag("ddpipe.logged_model_epoch", str(classifier.exported_epoch))
+        info = _log_pyfunc(mlflow, code, model_path, input_example, model_name, registered_model_name, classifier,
+                           model_id)
+    client = mlflow.MlflowClient()
+    client.set_tag(run_id, "ddpipe.logged_model_epoch", str(classifier.exported_epoch))
     if registered_model_name and info.registered_model_version:
-        client = mlflow.MlflowClient()
         for key, value in {"dvc_exp_name": os.environ.get("DVC_EXP_NAME", ""), "git_commit": git_commit,
                            "run_id": run_id}.items():
             client.set_model_version_tag(registered_model_name, str(info.registered_model_version), key, value)
 
 
 def _log_pyfunc(mlflow: Any, code: Path, model_path: Path, input_example: Any, model_name: str,
-                registered_model_name: str | None, classifier: ImageClassifier) -> Any:
-    """``mlflow.pyfunc.log_model`` of the model defined by the file ``code`` (:data:`MODEL_CODE`); its ModelInfo."""
+                registered_model_name: str | None, classifier: ImageClassifier, model_id: str) -> Any:
+    """``mlflow.pyfunc.log_model`` of the model defined by the file ``code`` (:data:`MODEL_CODE`) into the logged
+    model ``model_id`` (:func:`model_of_run`); its ModelInfo."""
     return mlflow.pyfunc.log_model(
-        name="model", python_model=str(code), artifacts={"weights": str(model_path)},
+        name="model", model_id=model_id, python_model=str(code), artifacts={"weights": str(model_path)},
         # no input schema: N x H x W and N x C x H x W, integers or [0, 1] floats are all accepted
         signature=mlflow.models.ModelSignature(outputs=prediction_schema()), input_example=input_example,
         # ddpipe itself (which MODEL_CODE imports), and a network of the user's (model.name module:Class) with its

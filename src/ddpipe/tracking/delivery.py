@@ -4,10 +4,9 @@ delivery, never by a training's import of the tracker."""
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,8 +163,7 @@ def _artifact(client: Any, journal: Any, run_id: str, rec: dict) -> None:
 
 
 def _model(client: Any, journal: Any, run_id: str, rec: dict) -> None:
-    """The pyfunc model (``ddpipe.models.served.log_pyfunc``), logged into ``run_id`` from this thread: MLflow's model
-    logging needs an active run, which is per thread (:func:`_logging_into`)."""
+    """The pyfunc model (``ddpipe.models.served.log_pyfunc``), logged into ``run_id``."""
     import mlflow
     import numpy as np
 
@@ -173,28 +171,9 @@ def _model(client: Any, journal: Any, run_id: str, rec: dict) -> None:
     from ddpipe.tracking.store import git_tags
 
     model_name, registered = model_names(rec, journal.format_of(rec))
-    with _logging_into(client, run_id):
-        # the commit tags a registered version only: no git subprocess for a model that is not registered
-        log_pyfunc(mlflow, run_id, Path(rec["model"]), np.load(rec["example"]), model_name, registered,
-                  git_tags()["git_commit"] if registered else "")
-
-
-@contextlib.contextmanager
-def _logging_into(client: Any, run_id: str) -> Iterator[None]:
-    """``run_id`` as this thread's active run, which MLflow's model logging needs, with its status as it was: not
-    ended here (the run's own records set its status), and an ended run's end put back after (``start_run`` marks
-    it RUNNING again)."""
-    import mlflow
-    from mlflow.tracking import fluent
-
-    ended = client.get_run(run_id).info
-    active = mlflow.start_run(run_id=run_id, log_system_metrics=False)
-    try:
-        yield
-    finally:
-        fluent._active_run_stack.get().remove(active)
-        if ended.status != "RUNNING":
-            client.set_terminated(run_id, ended.status, end_time=ended.end_time)
+    # the commit tags a registered version only: no git subprocess for a model that is not registered
+    log_pyfunc(mlflow, run_id, Path(rec["model"]), np.load(rec["example"]), model_name, registered,
+               git_tags()["git_commit"] if registered else "")
 
 
 def model_names(rec: dict, version: int) -> tuple[str, str | None]:
@@ -257,8 +236,7 @@ def _export(client: Any, journal: Any, run_id: str, rec: dict) -> None:
         for path in rec["graphs"].values():
             client.log_artifact(run_id, path, "export")
         if rec.get("log_model", True):  # mlflow.log_model (a record from before it was kept: logged, as then)
-            with _logging_into(client, run_id):
-                uris["onnx_model"] = log_onnx_pyfunc(mlflow, "model_onnx", Path(rec["graphs"]["onnx"])).model_uri
+            uris["onnx_model"] = log_onnx_pyfunc(mlflow, run_id, "model_onnx", Path(rec["graphs"]["onnx"])).model_uri
     if rec.get("model_name"):
         record_export(client, run_id, rec, uris)
 
