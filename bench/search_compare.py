@@ -85,9 +85,11 @@ def measure(clone: Path, name: str) -> dict:
         run_id = t.user_attrs.get("mlflow_run", "")
         seconds = sum(m.value for m in client.get_metric_history(run_id, "epoch_seconds")) if run_id else 0.0
         wall = (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete else 0.0
+        # epochs trained up to its last validation (validations inside epochs, with train.val_every_n_steps: fractions)
+        trained = len(t.intermediate_values) / int(t.user_attrs.get("validations_per_epoch", 1))
         trials.append({"number": t.number, "state": t.state.name, "params": t.params, "value": t.value,
-                       "epochs": len(t.intermediate_values), "train_s": seconds, "wall_s": wall})
-        epochs += len(t.intermediate_values)
+                       "epochs": trained, "train_s": seconds, "wall_s": wall})
+        epochs += trained
         train_s += seconds
         wall_s += wall
     best = study.best_trial

@@ -14,6 +14,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -76,8 +77,8 @@ _started = [0.0]
 # least for one worker alone at the end. pytest-xdist's own order (most tests first) put test_server.py, the longest
 # with 10 tests, among the last. A file missing here runs after these, in the order collected.
 LONGEST_FIRST = ("test_server.py", "test_cluster.py", "test_preemption.py", "test_search.py", "test_training.py",
-                 "test_faults.py", "test_tracking.py", "test_sweeps.py", "test_slurm.py", "test_export.py",
-                 "test_ui.py", "test_exact.py", "test_inference.py")
+                 "test_faults.py", "test_tracking.py", "test_sweeps.py", "test_queue.py", "test_slurm.py",
+                 "test_export.py", "test_ui.py", "test_exact.py", "test_inference.py")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -508,14 +509,14 @@ def repro_clone(reproduced_clone: Path, tmp_path: Path) -> Path:
     return dest
 
 
-def _spawn_entry(rank: int, world_size: int, port: int, fn, args) -> None:
+def _spawn_entry(rank: int, world_size: int, store: str, fn, args) -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     finally:
@@ -523,7 +524,10 @@ def _spawn_entry(rank: int, world_size: int, port: int, fn, args) -> None:
 
 
 def spawn(fn, world_size: int, *args) -> None:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; fails if any rank fails."""
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; fails if any rank fails. They meet through
+    a file of their own (a FileStore), not a TCP port: a free port found here may be taken by another test's process
+    before rank 0 listens on it (EADDRINUSE)."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_spawn_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+    with tempfile.TemporaryDirectory(prefix="ddpipe-spawn-") as tmp:
+        mp.spawn(_spawn_entry, args=(world_size, os.path.join(tmp, "store"), fn, args), nprocs=world_size, join=True)

@@ -253,8 +253,8 @@ def test_trajectory_leaves_out_exactly_the_keys_a_run_may_resume_across() -> Non
     resumable = {k for k in flat if k.startswith(("paths.", "mlflow.", "cluster.", "search.", "export."))} | {
         "distributed.max_restarts", "distributed.timeout_s", "distributed.nproc_per_node", "distributed.nnodes",
         "distributed.rdzv_endpoint", "distributed.rdzv_id", "distributed.shutdown_timeout_s",
-        "distributed.shared_memory", "train.progress_bar", "train.log_every_n_steps", "train.checkpoint_every_steps",
-        "train.keep_checkpoints",
+        "distributed.shared_memory", "train.progress_bar", "train.log_every_n_steps", "train.val_every_n_steps",
+        "train.checkpoint_every_steps", "train.keep_checkpoints",
         "train.eval_batch_size_per_rank", "train.export", "data.num_workers",
         "data.max_test_samples"}  # the test split: no training reads it
     expected = {k: v for k, v in flat.items() if k not in resumable}

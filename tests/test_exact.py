@@ -4,6 +4,7 @@ processes against 1 process, its accuracy against fp64, its limits, and 1 agains
 from __future__ import annotations
 
 import copy
+import re
 from functools import partial
 from pathlib import Path
 
@@ -159,11 +160,28 @@ def test_one_and_two_processes_with_the_same_global_batch_end_with_equal_weights
     """distributed.exact=true with default AdamW and precision, lr_scaling=none,
     global batch 64 as 1 x 64 and 2 x 32, 2 epochs: the same weights, bit for bit (without exact
     mode they end ~6% apart on this data, as far as 1 vs 2 threads: test_training.py); with the recipe's
-    augmentation, mixing, balanced order and weight average too."""
+    augmentation, mixing, balanced order and weight average too. The 2-process run also validates inside its epochs
+    (train.val_every_n_steps=5, each followed by a step checkpoint), which changes nothing of the trajectory: each
+    validation said, logged at its global step, and checkpointed."""
     common = ["train.lr_scaling=none", "train.hflip=true", "distributed.exact=true", *recipe]
     run(torchrun(1, *args_for(tmp_path / "one", prepared, *common, "train.batch_size_per_rank=64")))
-    run(torchrun(2, *args_for(tmp_path / "two", prepared, *common, "train.batch_size_per_rank=32")))
+    two = run(torchrun(2, *args_for(tmp_path / "two", prepared, *common, "train.batch_size_per_rank=32",
+                                    "train.val_every_n_steps=5", "train.keep_checkpoints=20"))).stdout
     assert max_rel_diff(weights(tmp_path / "one" / "model.pt"), weights(tmp_path / "two" / "model.pt")) == 0.0
+    steps = int(re.search(r"(\d+) steps/epoch", two)[1])
+    inside = [(e, s) for e in range(2) for s in range(5, steps, 5)]  # epochs from 0, steps from 1
+    said = re.findall(r"^epoch (\d+), step (\d+)/\d+: val loss [\d.]+ acc [\d.]+$", two, re.M)
+    assert inside and [(int(e) - 1, int(s)) for e, s in said] == inside, two[-3000:]
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'two'}/mlflow.db")
+    (r,) = client.search_runs([client.get_experiment_by_name("ddpipe").experiment_id])
+    logged = sorted(m.step for m in client.get_metric_history(r.info.run_id, "val_accuracy_step"))
+    assert logged == [e * steps + s for e, s in inside]
+    if recipe:
+        assert len(client.get_metric_history(r.info.run_id, "ema_val_accuracy_step")) == len(inside)
+    kept = {p.name for p in (tmp_path / "two" / "ckpt").glob("ckpt-*.pt")}
+    assert all(any(name.endswith(f"-e{e:04d}-s{s:06d}.pt") for name in kept) for e, s in inside), kept
     if recipe:  # the weight average too, whichever of the two was exported
 
         def average(run_dir: Path) -> dict[str, torch.Tensor]:

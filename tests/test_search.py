@@ -94,6 +94,9 @@ def test_a_search_section_becomes_a_plan(tmp_path: Path) -> None:
                                       "split"),
     (["search.space.data.val_fraction=uniform(0.05, 0.2)"],
      "search.space.data.val_fraction = 'uniform(0.05, 0.2)' is not accepted: data.val_fraction decides the validation"),
+    (["search.space.train.val_every_n_steps=int(5, 20)"],
+     "search.space.train.val_every_n_steps = 'int(5, 20)' is not accepted: train.val_every_n_steps decides what the "
+     "pruner's"),
     (["search.space.model.name=choice(resnet_small, [x)"], "search.space.model.name = 'choice(resnet_small, [x)' is "
                                                           "not accepted; expected choice(x, y, ...) of plain values"),
 ])
@@ -174,6 +177,9 @@ def test_a_continued_study_keeps_its_metric_and_fixed_params(tmp_path: Path) -> 
         open_study(_plan(tmp_path, LR, "search.study=k", "num_epochs=4"))
     with pytest.raises(ConfigError, match=r"search.metric = 'train_accuracy' \(its trials ran with 'val_accuracy'\)"):
         open_study(_plan(tmp_path, LR, "search.study=k", "num_epochs=3", "search.metric=train_accuracy"))
+    # validations inside epochs change what the pruner's steps are, though not the training
+    with pytest.raises(ConfigError, match=r"train.val_every_n_steps = 50 \(its trials ran with 0\)"):
+        open_study(_plan(tmp_path, LR, "search.study=k", "num_epochs=3", "train.val_every_n_steps=50"))
 
 
 def test_trials_of_a_gone_driver_are_taken_over_under_their_numbers_once(tmp_path: Path) -> None:

@@ -257,15 +257,59 @@ FAKE_EPOCHS = """
 import json, math, os, sys
 from ddpipe.core.ranks import DistInfo
 from ddpipe.engine.meters import EpochStats
-from ddpipe.engine.pruning import TRIAL_ENV, SearchTrial
+from ddpipe.engine.pruning import TRIAL_ENV, SearchTrial, validation_number
 spec = json.loads(os.environ[TRIAL_ENV])
 trial = SearchTrial(spec, DistInfo())
 quality = 1.0 - abs(math.log10(trial.trial.params["train.base_lr"]) + 2.0) / 3.0
 for epoch in range(1, 10):
     acc = quality * (1.0 - 0.5 ** epoch)
-    if trial.should_stop(EpochStats(epoch, 1 - acc, acc, 1 - acc, acc, 0.01, 1.0, 1.0), None, 9):
+    stats = EpochStats(epoch, 1 - acc, acc, 1 - acc, acc, 0.01, 1.0, 1.0)
+    if trial.should_stop(stats.logged(), validation_number(epoch, 0, 10, 0, 9), None):
         sys.exit(1)
 """
+
+# The same, 3 epochs of 10 steps validated after step 5 too (train.val_every_n_steps=5): the pruner's steps are the
+# validations; a validation inside an epoch reads 0.2 higher than the epoch's end, which alone makes a trial's value
+FAKE_STEPS = """
+import json, math, os, sys
+from ddpipe.core.ranks import DistInfo
+from ddpipe.engine.pruning import TRIAL_ENV, SearchTrial, validation_number
+trial = SearchTrial(json.loads(os.environ[TRIAL_ENV]), DistInfo())
+quality = 1.0 - abs(math.log10(trial.trial.params["train.base_lr"]) + 2.0) / 3.0
+for epoch in range(1, 4):
+    for step in (5, 0):
+        acc = quality * (1.0 - 0.5 ** epoch) + (0.2 if step else 0.0)
+        if trial.should_stop({"val_accuracy": acc}, validation_number(epoch, step, 10, 5, 3), None):
+            sys.exit(1)
+"""
+
+
+def test_validations_inside_epochs_let_the_pruner_stop_a_trial_in_its_first_epoch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With train.val_every_n_steps the pruner is asked at every validation, numbered over the run (2 an epoch here):
+    the trials worse than the first at its first validation are pruned there, at step 5 of epoch 1, and say so; a
+    trial's value is the best of its epochs' ends (the weights it may export), never a validation inside one."""
+    from ddpipe.engine.pruning import validation_number
+    from ddpipe.search import driver
+    from ddpipe.search.study import open_study
+
+    assert [validation_number(e, s, 16, 5, 2).number for e, s in ((1, 5), (1, 10), (1, 15), (1, 0), (2, 5), (2, 0))] \
+        == [1, 2, 3, 4, 5, 8]
+    assert validation_number(2, 0, 16, 0, 2).number == 2 and validation_number(1, 0, 16, 16, 2).last == 2
+    _fake_trials(monkeypatch, tmp_path)
+    monkeypatch.setattr(driver, "command", lambda plan, trial: [sys.executable, "-c", FAKE_STEPS])
+    plan = _plan(tmp_path, "search.study=inside", "search.sampler=random", "search.trials=4", "search.jobs=1",
+                 "search.pruner=median", "search.startup_trials=1", "search.first=[{train.base_lr: 0.01}]",
+                 "train.val_every_n_steps=5")
+    said: list[str] = []
+    driver.run(plan, tmp_path, say=said.append)
+    trials = open_study(plan).get_trials(deepcopy=False)
+    assert trials[0].state.name == "COMPLETE" and trials[0].value == pytest.approx(0.875)  # 1 - 0.5 ** 3
+    assert sorted(trials[0].intermediate_values) == [1, 2, 3, 4, 5, 6]
+    pruned = [t for t in trials if t.state.name == "PRUNED"]
+    assert pruned and all((t.user_attrs["pruned_epoch"], t.user_attrs["pruned_step"]) == (1, 5) and
+                          list(t.intermediate_values) == [1] for t in pruned), said
+    assert any("pruned at step 5 of epoch 1" in line for line in said), said
 
 
 def test_hyperband_prunes_trials_at_its_rungs_and_keeps_the_best(tmp_path: Path,

@@ -241,6 +241,10 @@ class TrainConfig:
         10, "Every this many optimizer steps, rank 0's training loss since the last record, the step's learning "
         "rate, the global gradient norm and images/s go to MLflow at the global step (train_loss_step, lr_step, "
         "grad_norm, images_per_s_step); 0: per epoch only.", ge=0, trajectory=False)
+    val_every_n_steps: int = param(
+        0, "Also validate every this many optimizer steps inside an epoch (0: at epoch ends only): val_loss_step and "
+        "val_accuracy_step to MLflow at the global step, then a step checkpoint; a search's pruner is asked after each "
+        "(its steps are validations).", ge=0, trajectory=False)
 
 
 @dataclass

@@ -24,10 +24,11 @@ class Preempted(BaseException):
 
 
 class TrialPruned(SystemExit):
-    """A search's trial that its pruner stopped after an epoch, on every rank at once (``ddpipe.engine.pruning``).
+    """A search's trial that its pruner stopped at a validation, on every rank at once (``ddpipe.engine.pruning``).
     A SystemExit carrying its message: the process exits non-zero printing that one line, without a traceback, so
     the train stage fails and a pruned trial leaves no output that looks like a finished training's."""
 
-    def __init__(self, study: str, number: int, epoch: int, num_epochs: int, detail: str = "") -> None:
+    def __init__(self, study: str, number: int, epoch: int, num_epochs: int, detail: str = "", step: int = 0) -> None:
         self.study, self.number, self.epoch, self.num_epochs = study, number, epoch, num_epochs
-        super().__init__(f"trial {number} of search {study!r} pruned after epoch {epoch} of {num_epochs}{detail}")
+        where = f"at step {step} of epoch {epoch}" if step else f"after epoch {epoch}"
+        super().__init__(f"trial {number} of search {study!r} pruned {where} of {num_epochs}{detail}")

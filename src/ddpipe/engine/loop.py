@@ -35,8 +35,9 @@ from ddpipe.engine.meters import EpochMeter, EpochProgress, EpochStats, StepLog,
 from ddpipe.engine.objective import Objective
 from ddpipe.engine.optimizer import Diverged, Optimization
 from ddpipe.engine.progress import make_progress
-from ddpipe.engine.pruning import after_epoch as search_trial_after_epoch
 from ddpipe.engine.pruning import after_stop as search_trial_after_stop
+from ddpipe.engine.pruning import after_validation as search_trial_after_validation
+from ddpipe.engine.pruning import validation_number
 from ddpipe.engine.resolved import Resolved
 from ddpipe.engine.selection import ModelSelection
 from ddpipe.engine.stage_outputs import TrainingOutputs, hold_training, save_outputs, write_progress
@@ -78,6 +79,7 @@ class Trainer:
         self.parts = {"model": self.module, **self.optim.parts(), "selection": self.selection,  # checkpointed
                       **({"ema": self.ema} if self.ema else {})}
         self.history: list[EpochStats] = []
+        self.loader_served_validation = False  # a validation inside the epoch (epoch_steps starts the loader again)
 
     def fit(self) -> dict[str, float]:
         pos, run_id, progress = self._restore()
@@ -98,9 +100,6 @@ class Trainer:
 
     def train_epoch(self, epoch: int, start_step: int, resumed: EpochProgress) -> EpochStats:
         """One epoch from ``start_step``; ``resumed``: what a checkpoint recorded of the steps before it."""
-        accum = self.cfg.train.grad_accum_steps
-        # set_epoch(epoch): a new shuffle and new shards every epoch; a resumed epoch starts at its step
-        loader = self.data.train_batches(epoch, start_step * accum, self.steps_per_epoch * accum)
         meter = EpochMeter(self.device, resumed)
         if self.finetune.set_epoch(self.module, epoch):  # DDP hooks the parameters that need gradients: re-wrap
             del self.model
@@ -112,12 +111,12 @@ class Trainer:
         self.model.train()
         self.finetune.freeze_batchnorm(self.module)
         with contextlib.closing(bar):
-            for step, micro_batches in enumerate(in_steps(loader, accum), start=start_step + 1):
+            for step, micro_batches in epoch_steps(self, epoch, start_step):
                 self.train_step(micro_batches, epoch, step, meter)
                 rebalance(self, epoch, step)  # another training started or ended on this host
                 bar.step(step, meter)
-                if step < self.steps_per_epoch:  # the epoch's end checkpoints (and stops) in fit()
-                    self._between_steps(epoch, step, meter)
+                if step < self.steps_per_epoch:  # the epoch's end validates, checkpoints (and stops) in fit()
+                    between_steps(self, epoch, step, meter)
         done = meter.total(self.info)
         stats = EpochStats.from_progress(epoch, done, self.optim.lr, self.validate(),
                                          self.validate(self.ema) if self.ema else None)
@@ -143,15 +142,6 @@ class Trainer:
             self.optim.backward(loss)
         meter.add(loss, logits, labels)
 
-    def _between_steps(self, epoch: int, step: int, meter: EpochMeter) -> None:
-        """A mid-epoch checkpoint when one is due or every rank agreed to stop; then the stop itself."""
-        signum = self.stops.agreed()
-        every = self.cfg.train.checkpoint_every_steps
-        if signum or (every and step % every == 0):
-            self._save(Position(epoch, step), meter.so_far(self.info))
-        if signum:
-            raise Preempted(signum, epoch, step)
-
     def _end_epoch(self, stats: EpochStats) -> None:
         self.history.append(stats)
         self.selection.update(stats.epoch, stats.val_accuracy, self.module, self.ema, stats.ema_val_accuracy)
@@ -161,7 +151,9 @@ class Trainer:
         so_far = self.selection.exported_epoch(len(self.history), self.ema is not None)  # DVC's view of a running run
         write_progress(self.cfg, stage_metrics(self, *so_far), self.history, self.info)
         self._save(Position(stats.epoch, 0))
-        search_trial_after_epoch(stats, self.tracker, self.info, self.cfg.num_epochs)  # a search's: report, maybe prune
+        at = validation_number(stats.epoch, 0, self.steps_per_epoch, self.cfg.train.val_every_n_steps,
+                               self.cfg.num_epochs)
+        search_trial_after_validation(stats.logged(), at, self.tracker, self.info)  # a search's: report, maybe prune
 
     @torch.no_grad()
     def validate(self, average: WeightAverage | None = None) -> tuple[float, float]:
@@ -227,6 +219,59 @@ def placed_network(run: Resolved, info: DistInfo, compute: PrecisionPolicy) -> t
     if run.deterministic_kernels(info.device):
         global_pools_as_reductions(network.module)
     return network, compute.place(network.module)
+
+
+def epoch_steps(t: Trainer, epoch: int, start_step: int) -> Iterator[tuple[int, list[tuple]]]:
+    """The optimizer steps of ``epoch`` from ``start_step`` on this rank: each one's number (from 1) and its
+    ``grad_accum_steps`` micro-batches (a new shuffle and new shards every epoch; a resumed epoch starts at its step).
+    After a validation inside the epoch the loader starts again at the next step, as a resumed epoch does: its workers
+    served the validation's batches meanwhile, which ends the training's pass over them (one DataLoader serves both)."""
+    accum, step = t.cfg.train.grad_accum_steps, start_step
+    while step < t.steps_per_epoch:
+        first, t.loader_served_validation = step, False
+        for micro_batches in in_steps(t.data.train_batches(epoch, step * accum, t.steps_per_epoch * accum), accum):
+            step += 1
+            yield step, micro_batches
+            if t.loader_served_validation:
+                break
+        if step == first:  # the loader had nothing left (never, with a whole epoch's batches planned)
+            return
+
+
+def between_steps(t: Trainer, epoch: int, step: int, meter: EpochMeter) -> None:
+    """After step ``step`` (from 1) of ``epoch`` (from 0), not the epoch's last: a validation when one is due
+    (``train.val_every_n_steps``; skipped when the ranks agreed to stop, to stop sooner), then a step checkpoint when
+    one is due, after such a validation, or when every rank agreed to stop; then the stop itself, or a search's
+    pruner asked about the validation."""
+    tc, signum = t.cfg.train, t.stops.agreed()
+    values = validate_inside(t, epoch, step) if not signum and tc.val_every_n_steps and \
+        step % tc.val_every_n_steps == 0 else None
+    if signum or values or (tc.checkpoint_every_steps and step % tc.checkpoint_every_steps == 0):
+        t._save(Position(epoch, step), meter.so_far(t.info))
+    if signum:
+        raise Preempted(signum, epoch, step)
+    if values:
+        at = validation_number(epoch + 1, step, t.steps_per_epoch, tc.val_every_n_steps, t.cfg.num_epochs)
+        search_trial_after_validation(values, at, t.tracker, t.info)
+
+
+def validate_inside(t: Trainer, epoch: int, step: int) -> dict[str, float]:
+    """A validation after step ``step`` of ``epoch`` (from 0), inside it: exact over the ranks as an epoch's is (and of
+    the moving average too, with one), said on rank 0 and logged as ``val_loss_step``, ``val_accuracy_step`` (and the
+    ``ema_`` ones) at the global step; the training mode put back (a frozen body's BatchNorm stays frozen). Its
+    figures by the epoch metrics' names. Its time counts in the epoch's seconds."""
+    loss, accuracy = t.validate()
+    t.loader_served_validation = True  # the training's batches start again at the next step (epoch_steps)
+    values = {"val_loss": loss, "val_accuracy": accuracy}
+    if t.ema is not None:
+        values["ema_val_loss"], values["ema_val_accuracy"] = t.validate(t.ema)
+    t.model.train()
+    t.finetune.freeze_batchnorm(t.module)
+    t.tracker.log_metrics({f"{key}_step": value for key, value in values.items()},
+                          step=epoch * t.steps_per_epoch + step)
+    dd.print0(f"epoch {epoch + 1}, step {step}/{t.steps_per_epoch}: val loss {loss:.4f} acc {accuracy:.4f}",
+              info=t.info)
+    return values
 
 
 def rebalance(t: Trainer, epoch: int, step: int) -> None:

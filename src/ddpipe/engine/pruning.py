@@ -1,6 +1,8 @@
-"""A search's trial inside the training: after each validation, global rank 0 reports the epoch's metric to the
-trial and asks its pruner once; the answer reaches every rank through the process group, so all ranks stop after the
-same epoch (``ddpipe.core.exits.TrialPruned``), on every node, with no rank left waiting in a collective.
+"""A search's trial inside the training: after each validation, global rank 0 reports the metric to the trial and
+asks its pruner once; the answer reaches every rank through the process group, so all ranks stop at the same
+validation (``ddpipe.core.exits.TrialPruned``), on every node, with no rank left waiting in a collective. The
+pruner's steps are validations counted from 1 over the run (:func:`validation_number`): epochs, unless
+``train.val_every_n_steps`` validates inside them too, so that a hopeless trial stops inside its first epoch.
 
 The training learns its trial from :data:`TRIAL_ENV`, which ``python -m ddpipe.search run`` sets for the
 ``dvc exp run`` of each trial (DVC passes its environment to the stage's command, torchrun to every worker). Without
@@ -74,7 +76,8 @@ def open_storage(where: str, **rdb_options: Any) -> Any:
 
 
 def make_pruner(name: str, startup_trials: int) -> Any:
-    """Optuna's pruner by the name ``search.pruner`` gives it; its steps are epochs, counted from 1."""
+    """Optuna's pruner by the name ``search.pruner`` gives it; its steps are validations (:func:`validation_number`),
+    counted from 1."""
     import optuna
 
     if name == "median":
@@ -97,25 +100,29 @@ class SearchTrial:
                                       pruner=make_pruner(spec["pruner"], int(spec["startup_trials"])))
             self.trial = optuna.trial.Trial(study, int(spec["trial_id"]))
 
-    def should_stop(self, stats: EpochStats, run_id: str | None, num_epochs: int) -> str:
-        """Report epoch ``stats.epoch``'s metric and ask the pruner once (rank 0; not after the last epoch, which
-        leaves nothing to save); every rank gets rank 0's answer: why to stop, or "" to go on. A study that cannot be
-        reached warns and lets the training go on."""
+    def should_stop(self, values: dict[str, Any], at: Validation, run_id: str | None) -> str:
+        """Report the metric of validation ``at`` (``values``: its figures by metric name) and ask the pruner once
+        (rank 0; not after the run's last validation, which leaves nothing to save); every rank gets rank 0's
+        answer: why to stop, or "" to go on. A study that cannot be reached warns and lets the training go on."""
         why = ""
         if self.trial is not None:
             metric = self.spec["metric"]
-            value = stats.logged().get(metric)
+            value = values.get(metric)
             try:
-                self.trial.set_user_attr("epochs", stats.epoch)
+                self.trial.set_user_attr("validations_per_epoch", at.per_epoch)  # which reports end an epoch
+                if not at.step:
+                    self.trial.set_user_attr("epochs", at.epoch)
                 if run_id:
                     self.trial.set_user_attr("mlflow_run", run_id)
                 if value is not None:
-                    self.trial.report(float(value), stats.epoch)
-                    if stats.epoch < num_epochs and self.trial.should_prune():
-                        self.trial.set_user_attr("pruned_epoch", stats.epoch)
+                    self.trial.report(float(value), at.number)
+                    if at.number < at.last and self.trial.should_prune():
+                        self.trial.set_user_attr("pruned_epoch", at.epoch)
+                        if at.step:
+                            self.trial.set_user_attr("pruned_step", at.step)
                         why = f": {metric} {value:.4f} ({self.spec['pruner']} pruner)"
             except Exception as exc:  # the study's store is down: the training is worth more than the search
-                warnings.warn(f"search trial {self.spec['trial']}: could not report epoch {stats.epoch} to the study "
+                warnings.warn(f"search trial {self.spec['trial']}: could not report {at} to the study "
                               f"({type(exc).__name__}: {exc}); training goes on unpruned", RuntimeWarning,
                               stacklevel=2)
         return str(dd.broadcast_object(why, self.info))
@@ -133,14 +140,62 @@ def _this_trial(info: DistInfo) -> SearchTrial | None:
     return _TRIALS[os.getpid()]
 
 
-def after_epoch(stats: EpochStats, tracker: Any, info: DistInfo, num_epochs: int) -> None:
-    """Called on every rank after each epoch's validation and checkpoint: in a search's trial, report and maybe
-    stop (raise :class:`TrialPruned` on every rank, after rank 0 logged ``pruned_at_epoch``); else nothing."""
+@dataclasses.dataclass(frozen=True)
+class Validation:
+    """Where a validation stands: after step ``step`` (0: the end) of epoch ``epoch`` (counted from 1); ``number``,
+    its count from 1 over the run, the pruner's step; ``last``, the run's last validation's number; ``per_epoch``,
+    an epoch's validations (an epoch's end is a multiple of it)."""
+
+    epoch: int
+    step: int
+    number: int
+    last: int
+    num_epochs: int
+    per_epoch: int
+
+    def __str__(self) -> str:
+        return f"epoch {self.epoch}" + (f", step {self.step}" if self.step else "")
+
+
+def validation_number(epoch: int, step: int, steps_per_epoch: int, every: int, num_epochs: int) -> Validation:
+    """The validation after step ``step`` (0: the epoch's end) of epoch ``epoch`` (from 1): an epoch holds one every
+    ``every`` steps inside it (``train.val_every_n_steps``; 0: none) and its own at its end, so validations are
+    counted in epochs by default and the pruner's steps mean the same in every trial of a study (the key is one of
+    its fixed params)."""
+    inside = (steps_per_epoch - 1) // every if every else 0
+    per_epoch = inside + 1
+    number = (epoch - 1) * per_epoch + (step // every if step else per_epoch)
+    return Validation(epoch, step, number, num_epochs * per_epoch, num_epochs, per_epoch)
+
+
+def after_validation(values: dict[str, Any], at: Validation, tracker: Any, info: DistInfo) -> None:
+    """Called on every rank after each validation and the checkpoint that follows it: in a search's trial, report
+    and maybe stop (raise :class:`TrialPruned` on every rank, after rank 0 logged ``pruned_at_epoch``); else
+    nothing."""
     if (trial := _this_trial(info)) is None:
         return
-    if why := trial.should_stop(stats, tracker.store_id(), num_epochs):  # the store's id once it has the run
-        tracker.log_metrics({"pruned_at_epoch": stats.epoch}, step=stats.epoch)
-        raise TrialPruned(trial.spec["study"], int(trial.spec["trial"]), stats.epoch, num_epochs, why)
+    if why := trial.should_stop(values, at, tracker.store_id()):  # the store's id once it has the run
+        tracker.log_metrics({"pruned_at_epoch": at.epoch}, step=at.epoch)
+        raise TrialPruned(trial.spec["study"], int(trial.spec["trial"]), at.epoch, at.num_epochs, why, at.step)
+
+
+def epoch_values(frozen: Any) -> list[float]:
+    """A trial's (an Optuna FrozenTrial's) reported values at its epochs' ends: those of the weights it may export (a
+    validation inside an epoch reports to the pruner, never the trial's value)."""
+    per_epoch = int(frozen.user_attrs.get("validations_per_epoch", 1))
+    return [value for number, value in sorted(frozen.intermediate_values.items()) if number % per_epoch == 0]
+
+
+def trial_value(frozen: Any, direction: str) -> float | None:
+    """A trial's value: the best of :func:`epoch_values` (``direction``, the study's), None when it reported none."""
+    values = epoch_values(frozen)
+    return (max(values) if direction == "maximize" else min(values)) if values else None
+
+
+def pruned_at(attrs: dict[str, Any]) -> str:
+    """Where a pruned trial stopped, from its user attrs: "after epoch 2", or "at step 40 of epoch 1"."""
+    epoch, step = attrs["pruned_epoch"], attrs.get("pruned_step")
+    return f"at step {step} of epoch {epoch}" if step else f"after epoch {epoch}"
 
 
 def after_stop(info: DistInfo, where: str) -> None:

@@ -6,20 +6,23 @@ rank 0 only, each file atomically. The metrics and the history are also rewritte
 
 Those outputs' directories and the checkpoints' are claimed by one training at a time (:func:`claim_training`,
 :func:`hold_training`; ddpipe.core.claims): a second training that would write them is refused while the first
-lives."""
+lives. A queued experiment's checkpoints are kept in the user's repository, not in DVC's copy of it
+(:func:`anchored_checkpoints`)."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ddpipe.config.keys import trajectory
 from ddpipe.config.schema import Config
 from ddpipe.core.claims import TOKEN_ENV, Claim
 from ddpipe.core.files import atomic_write_json, atomic_write_text
 from ddpipe.core.ranks import DistInfo
 from ddpipe.data.store import Prepared
+from ddpipe.engine.checkpoint import fingerprint
 from ddpipe.engine.meters import EpochStats
 from ddpipe.engine.resolved import Resolved
 from ddpipe.models.saved import save_model
@@ -28,6 +31,26 @@ from ddpipe.tracking.tracker import Tracker
 
 # The train stage's outputs, by their paths.* key (dvc.yaml's outs of the train stage)
 OUTPUT_KEYS = ("model", "run_info", "train_metrics", "history")
+
+
+# Where a queued experiment's checkpoints go, under paths.checkpoints of the user's repository
+QUEUED_CHECKPOINTS = "queued"
+
+
+def anchored_checkpoints(cfg: Config) -> Config:
+    """``cfg`` with its checkpoints where they outlive DVC's copy of the repository. ``dvc exp run --queue`` (and
+    ``--temp``) runs an experiment in a temporary copy, which DVC removes when the experiment ends, is killed
+    (``dvc queue kill``) or its worker dies, with ``$DVC_ROOT`` naming the user's repository: a relative
+    ``paths.checkpoints`` there would be lost with the copy, and the same experiment queued again would start from
+    epoch 1. Such a run's checkpoints go to ``<the repository>/<paths.checkpoints>/queued/<12 hex digits of its
+    trajectory keys>`` (:func:`ddpipe.config.keys.trajectory`): the same experiment queued again resumes there
+    from its step, and two experiments queued at once never share a directory. A training in the repository
+    itself, or an absolute ``paths.checkpoints``: ``cfg`` as it is."""
+    root, where = os.environ.get("DVC_ROOT"), Path(cfg.paths.checkpoints)
+    if not root or where.is_absolute() or Path.cwd().resolve() == Path(root).resolve():
+        return cfg
+    kept = Path(root).resolve() / where / QUEUED_CHECKPOINTS / fingerprint(trajectory(cfg))
+    return replace(cfg, paths=replace(cfg.paths, checkpoints=str(kept)))
 
 
 def training_places(cfg: Config) -> dict[str, Path]:

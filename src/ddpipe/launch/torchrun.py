@@ -25,7 +25,9 @@ import shlex
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -36,14 +38,15 @@ from ddpipe.config.load import user_errors
 from ddpipe.config.schema import Config, ConfigError, DistributedConfig
 from ddpipe.core.claims import TOKEN_ENV, InUse
 from ddpipe.core.exits import EXIT_PREEMPTED, STOP_SIGNALS
+from ddpipe.core.processes import alive, start_time
 from ddpipe.data.encoding import SMALL_IMAGE_SIDE
 from ddpipe.data.store import PreparedDataError
 from ddpipe.distributed.host_leases import GpuLease, visible_gpus
-from ddpipe.distributed.preemption import launcher_env
+from ddpipe.distributed.preemption import FOLLOW_EVERY_S, launcher_env
 from ddpipe.engine.assembly import build_network
 from ddpipe.engine.pruning import trial_config
 from ddpipe.engine.resolved import Job, Resolved, resolve, resolve_job
-from ddpipe.engine.stage_outputs import claim_training
+from ddpipe.engine.stage_outputs import anchored_checkpoints, claim_training
 from ddpipe.models.catalog import RENAMED, module_file
 from ddpipe.tracking.access import check_access
 
@@ -158,8 +161,9 @@ def worker_config(cfg: Config, world_size: int) -> Resolved:
     (:data:`CHECKED_ENV`): ``cfg`` resolved for its device and checked only for what the launcher could not see,
     the world size the job formed (an elastic ``MIN:MAX`` job's) against the global batch, and the prepared data
     still readable. Started otherwise (torchrun or python by hand): every check of :func:`preflight`. A search's
-    trial checkpoints in its own directory (:func:`~ddpipe.engine.pruning.trial_config`)."""
-    cfg = trial_config(cfg)
+    trial checkpoints in its own directory (:func:`~ddpipe.engine.pruning.trial_config`), a queued experiment in the
+    user's repository (:func:`~ddpipe.engine.stage_outputs.anchored_checkpoints`)."""
+    cfg = anchored_checkpoints(trial_config(cfg))
     if not os.environ.get(CHECKED_ENV):
         return preflight(cfg, world_size)
     run = resolve(cfg, this_device())
@@ -171,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     """Check, print the torchrun command, run it (``--print``: print only); exit with its code."""
     argv = sys.argv[1:] if argv is None else argv
     overrides, on_every_node = cluster_nodes([a for a in argv if a != "--print"])
-    cfg = trial_config(load_or_exit(overrides, "-m ddpipe.launch"))  # a search's trial: its own checkpoints
+    # a search's trial: its own checkpoints; a queued experiment: checkpoints that outlive DVC's copy of the repository
+    cfg = anchored_checkpoints(trial_config(load_or_exit(overrides, "-m ddpipe.launch")))
     with user_errors(PreparedDataError):  # fail here, before any worker starts on any node
         if cfg.distributed.nnodes != "1" and not cfg.distributed.rdzv_endpoint:
             raise ConfigError(f"distributed.rdzv_endpoint = '' is not accepted with distributed.nnodes = "
@@ -256,6 +261,7 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None) -> int:
         child = subprocess.Popen(cmd, env=env)
         for signum in stopped:  # arrived while it was starting
             child.send_signal(signum)
+        follow_dvc(functools.partial(forward, signal.SIGTERM, None))
         code = child.wait()
     finally:
         for sig, handler in previous.items():
@@ -269,6 +275,28 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None) -> int:
              "stops at its next step after a checkpoint; run the same command to resume")
         return 128 - code
     return code
+
+
+def follow_dvc(stop: Callable[[], None]) -> threading.Thread | None:
+    """Run by DVC (``$DVC_STAGE`` set: the train stage of `dvc repro` or `dvc exp run`, queued or not): a daemon
+    thread that calls ``stop`` (a scheduler's SIGTERM to this training: the workers checkpoint their step) once the
+    DVC process that started this one has ended. `dvc queue kill --force` SIGKILLs that process alone: without
+    this, its training would go on, orphaned, in the copy of the repository that DVC removes. Otherwise None."""
+    parent = os.getppid()
+    if not os.environ.get("DVC_STAGE") or parent == 1:
+        return None
+    started = start_time(parent)
+
+    def follow() -> None:
+        while alive(parent, started):
+            time.sleep(FOLLOW_EVERY_S)
+        _say(f"the DVC process that ran this stage (pid {parent}) has ended (`dvc queue kill --force`, or a kill): "
+             "stopping the training at its next step, after a checkpoint")
+        stop()
+
+    thread = threading.Thread(target=follow, name="ddpipe-follow-dvc", daemon=True)
+    thread.start()
+    return thread
 
 
 if __name__ == "__main__":

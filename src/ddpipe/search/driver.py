@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpipe.config.schema import ClusterConfig
-from ddpipe.engine.pruning import TRIAL_ENV
+from ddpipe.engine.pruning import TRIAL_ENV, epoch_values, pruned_at, trial_value
 from ddpipe.launch import workspace
 from ddpipe.launch.cluster.queue import exp_ref, git
 from ddpipe.search import cluster as on_cluster
@@ -326,9 +326,8 @@ def again(plan: Plan, study: Any, root: Path, frozen: Any, say: Any,
 
     trial = optuna.trial.Trial(study, frozen._trial_id)
     name = experiment_name(plan.settings.study, frozen.number)
-    if frozen.intermediate_values and not send_back(plan, root, frozen.number):
-        values = list(frozen.intermediate_values.values())
-        value = max(values) if plan.settings.direction == "maximize" else min(values)
+    if epoch_values(frozen) and not send_back(plan, root, frozen.number):
+        value = trial_value(frozen, plan.settings.direction)
         if tell(study, trial, say, value):
             say(f"trial {frozen.number}: its DVC experiment {name} was finished: completed, {plan.settings.metric} "
                 f"{value:.4f}")
@@ -370,7 +369,7 @@ def record(plan: Plan, study: Any, root: Path, done: Running, say: Any) -> str:
     from optuna.trial import TrialState
 
     frozen = study.trials[done.trial.number]
-    values = list(frozen.intermediate_values.values())
+    values = epoch_values(frozen)
     number, code = done.trial.number, done.process.returncode
     stopped = frozen.user_attrs.get("stopped") or {}
     if code and stopped.get("attempt") == done.attempt and "pruned_epoch" not in frozen.user_attrs:
@@ -378,14 +377,14 @@ def record(plan: Plan, study: Any, root: Path, done: Running, say: Any) -> str:
         return "STOPPED"
     lost = send_back(plan, root, number) if code == 0 and values else ""
     if code == 0 and values and not lost:
-        value = max(values) if plan.settings.direction == "maximize" else min(values)
+        value = trial_value(frozen, plan.settings.direction)
         state = "COMPLETE" if tell(study, done.trial, say, value) else "SKIPPED"
         if state == "COMPLETE":
             say(f"trial {number}: completed, {plan.settings.metric} {value:.4f}, DVC experiment {done.experiment}")
     elif "pruned_epoch" in frozen.user_attrs:
         state = "PRUNED" if tell(study, done.trial, say, state=TrialState.PRUNED) else "SKIPPED"
         if state == "PRUNED":
-            say(f"trial {number}: pruned after epoch {frozen.user_attrs['pruned_epoch']} (no DVC experiment)")
+            say(f"trial {number}: pruned {pruned_at(frozen.user_attrs)} (no DVC experiment)")
     else:
         tail = done.log.read_text(errors="replace").strip().splitlines()[-1:] if done.log.exists() else []
         why = f"dvc exp run exited {code}: {tail[0][:300] if tail else ''}" if code else lost or \

@@ -9,6 +9,7 @@ from typing import Any
 
 from ddpipe.config.schema import Config
 from ddpipe.core.errors import one_line
+from ddpipe.engine.pruning import pruned_at
 from ddpipe.search.experiments import REMOVED
 from ddpipe.search.study import SearchError
 from ddpipe.tracking.store import bound_http_requests, experiment_id, open_client, sweep_parent, tracking_uri
@@ -28,7 +29,7 @@ def rows(study: Any) -> list[list[str]]:
     table = [["trial", "state", "params", "value", "epochs", "DVC experiment", "MLflow run"]]
     removed = set(study.user_attrs.get(REMOVED, ()))
     for t in study.get_trials(deepcopy=False):
-        state = t.state.name + (f" at epoch {t.user_attrs['pruned_epoch']}" if "pruned_epoch" in t.user_attrs else "")
+        state = t.state.name + (f" {pruned_at(t.user_attrs)}" if "pruned_epoch" in t.user_attrs else "")
         params = " ".join(f"{k}={_shown(v)}" for k, v in t.params.items())
         experiment = "removed" if t.number in removed else \
             t.user_attrs.get("experiment", "") if t.state.name == "COMPLETE" else ""

@@ -29,6 +29,8 @@ NOT_SEARCHED = ("paths.", "mlflow.", "cluster.", "search.")
 # What would make the trials' values incomparable: the seed and the data section decide the validation split (the
 # prepare stage's), so two trials varying them are judged on different images (issue 47)
 SPLIT_KEYS = ("seed", "data.")
+# What the pruner's steps are (validations: ddpipe.engine.pruning.validation_number): one value for the whole study
+PRUNER_STEPS = "train.val_every_n_steps"
 # Which way each kind of epoch metric is better, by the end of its name (lr has no better way: either is accepted)
 BETTER = {"loss": "minimize", "accuracy": "maximize", "seconds": "minimize", "images_per_s": "maximize"}
 _TEXT = re.compile(r"^\s*([a-z]+)\s*\((.*)\)\s*$", re.S)
@@ -103,7 +105,8 @@ def make_plan(cfg: Config, root: Path, params_file: str | Path | None) -> Plan:
     first = _first_trials(cfg, space, params_file, notes)
     held_out = (cfg.paths.test_metrics, cfg.paths.per_class, cfg.paths.confusion, cfg.paths.reports,
                 cfg.paths.export_metrics)
-    fixed = json.loads(json.dumps({k: v for k, v in trajectory(cfg).items() if k not in space}, default=str))
+    fixed = json.loads(json.dumps({**{k: v for k, v in trajectory(cfg).items() if k not in space},
+                                   PRUNER_STEPS: cfg.train.val_every_n_steps}, default=str))
     return Plan(s, cfg.seed, storage_place(s, root), root / "search" / s.study, space, first, notes, held_out, fixed)
 
 
@@ -124,6 +127,10 @@ def parse(key: str, text: Any, params_file: str | Path | None) -> Distribution:
                           "stage's), so trials varying it would be judged on different images and their values "
                           "would not compare; expected a training parameter (model.*, train.*, num_epochs, "
                           "distributed.*); to try other data, run one study per setting")
+    if key == PRUNER_STEPS:
+        raise ConfigError(f"{where} = {text!r} is not accepted: {key} decides what the pruner's steps are (the "
+                          "validations inside epochs), so trials varying it would be compared at different points of "
+                          "their training; expected it set once, in the train section, for the whole study")
     found = _TEXT.match(str(text))
     if not found or found[1] not in KINDS:
         raise not_accepted(where, text, ACCEPTED)
