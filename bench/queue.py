@@ -57,8 +57,11 @@ def main() -> None:
         status = run_in_clone(["dvc", "queue", "status"], clone)[0]
         run_in_clone(["dvc", "queue", "stop"], clone)
         shown = json.loads(run_in_clone(["dvc", "exp", "show", "--json"], clone)[0])
-        listed = {e.get("name") for rev in shown for e in (rev.get("experiments") or [])}
-    back, succeeded = len(refs_seen := [n for n in names if n in listed]), status.count("Success")
+        # a baseline's experiments: ranges of revisions, each range and revision named (DVC's ExpRange, ExpState)
+        listed = {name for base in shown for exp in (base.get("experiments") or [])
+                  for name in (exp.get("name"), *(r.get("name") for r in exp.get("revs") or []))}
+    seen = [n for n in names if n in listed]
+    back, succeeded = len(seen), status.count("Success")
     print(f"{args.experiments} experiments ({args.samples} training images, {args.epochs} epoch(s), 1 thread each), "
           f"`dvc queue start -j {args.jobs}`\n")
     print(markdown_table(["experiments", "Success in `dvc queue status`", "in `dvc exp show`", "wall s",
@@ -66,7 +69,7 @@ def main() -> None:
                          [[args.experiments, succeeded, back, f"{wall:.1f}", f"{wall / args.experiments:.1f}"]]))
     append_jsonl("queue", [{"experiments": args.experiments, "jobs": args.jobs, "samples": args.samples,
                             "epochs": args.epochs, "succeeded": succeeded, "shown": back, "wall_s": wall,
-                            "shown_names": refs_seen}])
+                            "shown_names": seen}])
     if back != args.experiments:
         raise SystemExit(f"only {back} of {args.experiments} experiments show in `dvc exp show`:\n{status}")
 

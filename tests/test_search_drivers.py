@@ -312,6 +312,12 @@ def test_validations_inside_epochs_let_the_pruner_stop_a_trial_in_its_first_epoc
     assert any("pruned at step 5 of epoch 1" in line for line in said), said
 
 
+# The 8 trials' learning rates, the best first: fixed, for Hyperband's decisions to be the same in every run (the random
+# sampler of a driver is seeded apart per host and process)
+FIXED_LRS = "search.first=[" + ", ".join(f"{{train.base_lr: {lr}}}" for lr in (
+    0.01, 0.0002, 0.05, 0.0005, 0.1, 0.001, 0.0001, 0.003)) + "]"
+
+
 def test_hyperband_prunes_trials_at_its_rungs_and_keeps_the_best(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """search.pruner=hyperband through a study's whole run (9-epoch trainings, faked; the best learning rate first):
@@ -324,7 +330,7 @@ def test_hyperband_prunes_trials_at_its_rungs_and_keeps_the_best(tmp_path: Path,
     _fake_trials(monkeypatch, tmp_path)
     monkeypatch.setattr(driver, "command", lambda plan, trial: [sys.executable, "-c", FAKE_EPOCHS])
     plan = _plan(tmp_path, "search.study=hb", "search.sampler=random", "search.trials=8", "search.jobs=1",
-                 "search.pruner=hyperband", "search.first=[{train.base_lr: 0.01}]")
+                 "search.pruner=hyperband", FIXED_LRS)
     said: list[str] = []
     driver.run(plan, tmp_path, say=said.append)
     study = open_study(plan)

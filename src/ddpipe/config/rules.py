@@ -1,6 +1,6 @@
 """What one key accepts beyond its type (bounds, choices, finiteness), in words and as a check, and the one
 message shape for a value that is not accepted. The rules themselves sit in each field (see
-:func:`ddpipe.config.schema.param`)."""
+:func:`ddpipe.config.param.param`)."""
 
 import dataclasses
 import math

@@ -295,17 +295,17 @@ def derived_params(t: Trainer) -> dict[str, Any]:
         "world_size": t.info.world_size, "effective_lr": t.optim.effective_lr,
         "global_batch_size": t.run.global_batch_size(t.info.world_size),
         "steps_per_epoch": t.steps_per_epoch,
-        "device_kind": t.run.device_kind,  # the row of resolve.run.AUTO_CHOICES that `auto` took
+        "device_kind": t.run.device_kind,  # the row of engine.resolved.AUTO_CHOICES that `auto` took
         "host_sums": t.info.sums if t.info.distributed else "none",
         "resolved_precision": t.compute.precision, "channels_last": t.compute.channels_last,
         "deterministic_kernels": t.run.deterministic_kernels(t.device),
         "num_parameters": sum(p.numel() for p in t.module.parameters()),
         "threads_per_process_at_start": torch.get_num_threads(),
-        "loader_workers": t.num_workers,  # data.num_workers resolved (resolve.run.loader_workers)
+        "loader_workers": t.num_workers,  # data.num_workers resolved (engine.resolved.loader_workers)
         "input_size": "x".join(map(str, t.data.size)),  # what the network sees (data.image_size resolved)
         **({"weights_source": t.pretrained.source, "weights_sha256": t.pretrained.sha256}
            if t.pretrained else {}),
-        # the GPUs this training was given (ddpipe.launch leases them: hostshare.GpuLease)
+        # the GPUs this training was given (ddpipe.launch leases them: distributed.host_leases.GpuLease)
         "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "all") if t.device.type == "cuda" else "none",
     }
 

@@ -193,9 +193,9 @@ def trial_value(frozen: Any, direction: str) -> float | None:
 
 
 def pruned_at(attrs: dict[str, Any]) -> str:
-    """Where a pruned trial stopped, from its user attrs: "after epoch 2", or "at step 40 of epoch 1"."""
+    """Where a pruned trial stopped, from its user attrs: "epoch 2" (after it), or "step 40 of epoch 1"."""
     epoch, step = attrs["pruned_epoch"], attrs.get("pruned_step")
-    return f"at step {step} of epoch {epoch}" if step else f"after epoch {epoch}"
+    return f"step {step} of epoch {epoch}" if step else f"epoch {epoch}"
 
 
 def after_stop(info: DistInfo, where: str) -> None:

@@ -303,7 +303,7 @@ class Job:
     nproc_per_node: int
     min_nodes: int
     max_nodes: int
-    gpus_requested: int | None = None  # None: nproc_per_node auto, a share of the host's free GPUs (hostshare)
+    gpus_requested: int | None = None  # None: nproc_per_node auto, a share of the free GPUs (distributed.host_leases)
 
     @property
     def max_world_size(self) -> int:

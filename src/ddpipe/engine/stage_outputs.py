@@ -12,6 +12,7 @@ lives. A queued experiment's checkpoints are kept in the user's repository, not 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -111,10 +112,17 @@ def write_progress(cfg: Config, metrics: dict[str, float], history: list[EpochSt
     """After each validation, on global rank 0: ``paths.train_metrics`` and ``paths.history`` with what is known so
     far, each atomically, so that ``dvc metrics show``, ``dvc plots show`` and the VS Code extension show a running
     training. The metrics say ``running: true`` (a stopped training leaves them so); :func:`save_outputs` writes the
-    finished training's, without it."""
-    if info.is_main:
+    finished training's, without it. A view, not an output: where they cannot be written (DVC's copy of the
+    repository removed under a training it stops, after `dvc queue kill --force`; a full disk) the training says so
+    and goes on, to its stop and its checkpoint."""
+    if not info.is_main:
+        return
+    try:
         atomic_write_json(cfg.paths.train_metrics, {"train": {**metrics, "running": True}})
         atomic_write_text(cfg.paths.history, history_csv(history))
+    except OSError as exc:
+        print(f"warning: the running training's {cfg.paths.train_metrics} and {cfg.paths.history} were not written "
+              f"({type(exc).__name__}: {exc}); the training goes on", file=sys.stderr, flush=True)
 
 
 def history_csv(history: list[EpochStats]) -> str:

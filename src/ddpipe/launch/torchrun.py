@@ -261,7 +261,7 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None) -> int:
         child = subprocess.Popen(cmd, env=env)
         for signum in stopped:  # arrived while it was starting
             child.send_signal(signum)
-        follow_dvc(functools.partial(forward, signal.SIGTERM, None))
+        follow_dvc(lambda: None if stopped else forward(signal.SIGTERM, None))  # once: a stop already passed on
         code = child.wait()
     finally:
         for sig, handler in previous.items():

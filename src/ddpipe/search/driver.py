@@ -384,7 +384,8 @@ def record(plan: Plan, study: Any, root: Path, done: Running, say: Any) -> str:
     elif "pruned_epoch" in frozen.user_attrs:
         state = "PRUNED" if tell(study, done.trial, say, state=TrialState.PRUNED) else "SKIPPED"
         if state == "PRUNED":
-            say(f"trial {number}: pruned {pruned_at(frozen.user_attrs)} (no DVC experiment)")
+            say(f"trial {number}: pruned {'at' if 'pruned_step' in frozen.user_attrs else 'after'} "
+                f"{pruned_at(frozen.user_attrs)} (no DVC experiment)")
     else:
         tail = done.log.read_text(errors="replace").strip().splitlines()[-1:] if done.log.exists() else []
         why = f"dvc exp run exited {code}: {tail[0][:300] if tail else ''}" if code else lost or \

@@ -54,10 +54,11 @@ class Group:
 
 
 def group_children(children: list[Any]) -> tuple[list[Group], list[str]]:
-    """Finished children grouped by the schema parameters that vary among them, ``seed`` aside
-    (derived values such as effective_lr follow the parameters, so they never split a group).
+    """Finished children grouped by the schema parameters that vary among them, ``seed`` and ``paths.*`` aside
+    (derived values such as effective_lr follow the parameters, so they never split a group; where a run's files go
+    is no configuration: a queued experiment's checkpoints are under its own hash, ddpipe.engine.stage_outputs).
     Returns the groups, best mean test accuracy first, and the varying keys."""
-    keys = set(flatten(Config()))
+    keys = {k for k in flatten(Config()) if not k.startswith("paths.")}
     params = [{k: v for k, v in c.data.params.items() if k in keys} for c in children]
     varying = sorted(k for k in keys if k != "seed" and len({p.get(k) for p in params}) > 1)
     groups: dict[tuple, Group] = {}
