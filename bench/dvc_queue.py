@@ -1,14 +1,14 @@
 """DVC's queue with ten experiments: `dvc queue start -j 2` on this host, until every one is back; then whether all ten
 show in `dvc exp show`, and the wall time.
 
-    python bench/queue.py [--experiments 10] [--jobs 2] [--samples 2048] [--epochs 1]
+    python bench/dvc_queue.py [--experiments 10] [--jobs 2] [--samples 2048] [--epochs 1]
 
 A clone of this checkout (its tracked and unignored files, a fresh git repo, this checkout's code) with the default
 params but ``--samples`` training images, ``--epochs`` epochs and one thread per training, reproduced once; then
 ``--experiments`` experiments queued (``train.base_lr`` 0.001, 0.002, ...: the train stage and what follows it run
 for each) and started ``--jobs`` at a time. Counts the experiments' refs every half second (git: milliseconds a look),
 reads `dvc queue status` once at the end. Prints the machine and a Markdown table; appends to
-bench/results/queue.jsonl.
+bench/results/dvc_queue.jsonl.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def main() -> None:
     print(markdown_table(["experiments", "Success in `dvc queue status`", "in `dvc exp show`", "wall s",
                           "s per experiment"],
                          [[args.experiments, succeeded, back, f"{wall:.1f}", f"{wall / args.experiments:.1f}"]]))
-    append_jsonl("queue", [{"experiments": args.experiments, "jobs": args.jobs, "samples": args.samples,
+    append_jsonl("dvc_queue", [{"experiments": args.experiments, "jobs": args.jobs, "samples": args.samples,
                             "epochs": args.epochs, "succeeded": succeeded, "shown": back, "wall_s": wall,
                             "shown_names": seen}])
     if back != args.experiments:
