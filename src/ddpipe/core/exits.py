@@ -30,5 +30,10 @@ class TrialPruned(SystemExit):
 
     def __init__(self, study: str, number: int, epoch: int, num_epochs: int, detail: str = "", step: int = 0) -> None:
         self.study, self.number, self.epoch, self.num_epochs = study, number, epoch, num_epochs
-        where = f"at step {step} of epoch {epoch}" if step else f"after epoch {epoch}"
+        where = pruned_where(epoch, step)
         super().__init__(f"trial {number} of search {study!r} pruned {where} of {num_epochs}{detail}")
+
+
+def pruned_where(epoch: int, step: int = 0) -> str:
+    """Where a pruner stopped a trial, in words: "after epoch 2", or "at step 40 of epoch 1" (epochs from 1)."""
+    return f"at step {step} of epoch {epoch}" if step else f"after epoch {epoch}"

@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from ddpipe.config.schema import ClusterConfig
-from ddpipe.engine.pruning import TRIAL_ENV, epoch_values, pruned_at, trial_value
+from ddpipe.core.exits import pruned_where
+from ddpipe.engine.pruning import TRIAL_ENV, epoch_values, trial_value
 from ddpipe.launch import workspace
 from ddpipe.launch.cluster.queue import exp_ref, git
 from ddpipe.search import cluster as on_cluster
@@ -384,8 +385,8 @@ def record(plan: Plan, study: Any, root: Path, done: Running, say: Any) -> str:
     elif "pruned_epoch" in frozen.user_attrs:
         state = "PRUNED" if tell(study, done.trial, say, state=TrialState.PRUNED) else "SKIPPED"
         if state == "PRUNED":
-            say(f"trial {number}: pruned {'at' if 'pruned_step' in frozen.user_attrs else 'after'} "
-                f"{pruned_at(frozen.user_attrs)} (no DVC experiment)")
+            at = pruned_where(frozen.user_attrs["pruned_epoch"], frozen.user_attrs.get("pruned_step", 0))
+            say(f"trial {number}: pruned {at} (no DVC experiment)")
     else:
         tail = done.log.read_text(errors="replace").strip().splitlines()[-1:] if done.log.exists() else []
         why = f"dvc exp run exited {code}: {tail[0][:300] if tail else ''}" if code else lost or \
