@@ -426,8 +426,9 @@ def prune_a_two_process_trial(tmp: Path, prepared: Path, storage: str, study_nam
 
 GIT_ENV = {"GIT_AUTHOR_NAME": "ddpipe tests", "GIT_AUTHOR_EMAIL": "tests@ddpipe.invalid",
            "GIT_COMMITTER_NAME": "ddpipe tests", "GIT_COMMITTER_EMAIL": "tests@ddpipe.invalid"}
-# In a clone: commits need an identity, and runs go to the clone's own mlflow.db.
-CLONE_ENV = {**GIT_ENV, "MLFLOW_TRACKING_URI": ""}
+# In a clone: commits need an identity, and runs go to the clone's own mlflow.db; DVC runs a stage's command through
+# $SHELL: /bin/sh (dash, which forks the command), as where SHELL is unset (CI), on every host.
+CLONE_ENV = {**GIT_ENV, "MLFLOW_TRACKING_URI": "", "SHELL": "/bin/sh"}
 # threads pinned: a clone's weights are compared bit for bit, and a thread count shared with whatever
 # else runs on the host (the default) changes the arithmetic
 # A quick run's splits: 1,200 validation and 3,000 test images, which every pipeline of the suite evaluates on (3,000:

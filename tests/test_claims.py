@@ -1,10 +1,11 @@
-"""One training per directory (ddpipe.core.claims) and workers that follow their launcher
+"""One training per directory (ddpipe.core.claims), workers that follow their launcher and launchers that follow DVC
 (ddpipe.distributed.preemption.follow_launcher), with real processes: fast, no training."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -185,3 +186,37 @@ def test_a_worker_with_no_step_boundary_in_sight_leaves_a_few_seconds_after_its_
     finally:
         worker.kill()
         launcher.kill()
+
+
+FOLLOW_DVC = textwrap.dedent("""
+    import sys, time
+    from ddpipe.launch.torchrun import follow_dvc
+    follow_dvc(lambda: open(sys.argv[1], "w").write(str(time.time())))
+    print("following", flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("shell", ["/bin/sh", "/bin/bash"])
+def test_a_training_run_by_dvc_through_a_shell_stops_when_dvc_alone_is_killed(tmp_path: Path, shell: str) -> None:
+    """A stand-in DVC runs the stage's command through ``$SHELL -c``, as DVC does (dash, Debian's /bin/sh and CI's
+    shell, forks the command and waits for it); `dvc queue kill --force` SIGKILLs DVC's process alone: the launcher's
+    stop is called within seconds all the same, though the shell between them lives on."""
+    done, ready = tmp_path / "stopped", tmp_path / "following"
+    command = f"{sys.executable} -c {shlex.quote(FOLLOW_DVC)} {done} > {ready}"  # as dvc.yaml: one command
+    dvc = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                            "subprocess.Popen([sys.argv[1], '-c', sys.argv[2]]); time.sleep(600)", shell, command],
+                           cwd=ROOT, env=subprocess_env({"DVC_STAGE": "train"}), start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while "following" not in (ready.read_text() if ready.exists() else "") and time.time() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), "the stand-in training never started"
+        dvc.kill()
+        dvc.wait()
+        deadline = time.time() + 10
+        while not done.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert done.exists(), f"the training did not stop after the DVC above {shell} was killed"
+    finally:
+        os.killpg(dvc.pid, signal.SIGKILL)

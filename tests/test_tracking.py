@@ -228,6 +228,38 @@ def test_a_store_that_cannot_be_opened_never_takes_training_down(monkeypatch: py
     assert ops[0] == "create" and ops[-1] == "end"
 
 
+@pytest.mark.parametrize("failures", [1, 2])
+def test_one_failed_delivery_is_a_blip_two_in_a_row_an_outage_said_once(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path, failures: int) -> None:
+    """A delivery that fails once and goes through a second later (a restarted server's stale pooled connection, one
+    slow answer) is not announced; failing twice in a row is an outage: said once, and once when the store answers."""
+    from ddpipe.tracking.delivery import Delivery
+    from ddpipe.tracking.outbox import Courier
+
+    client, run_id, journal = _journal_of_a_new_run(monkeypatch, tmp_path, f"blip{failures}")
+    journal.append("params", params={"seed": 1})
+    deliver, attempts = journal.deliver, []
+
+    def failing_first(wait: bool = False) -> Delivery:
+        attempts.append(wait)
+        if len(attempts) <= failures:
+            return Delivery(0, 1, ConnectionError("connection refused"))
+        return deliver(wait)
+
+    monkeypatch.setattr(journal, "deliver", failing_first)
+    said: list[str] = []
+    result = Courier(journal, say=said.append).close()  # its last delivery, tried again after 1 s and 2 s
+    assert result.error is None and len(attempts) == failures + 1
+    assert client.get_run(run_id).data.params == {"seed": "1"}
+    if failures == 1:
+        assert said == []
+    else:
+        assert [re.sub(r"after \d+ s", "after N s", line.split(";")[0]) for line in said] == [
+            f"MLflow: the store at sqlite:///{tmp_path}/mlflow.db does not answer "
+            "(ConnectionError: connection refused)",
+            "MLflow: the store answers again after N s"], said  # N: from the first failure, 3 s on an idle host
+
+
 def test_a_journal_sent_twice_stores_each_record_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A crash between a delivery and the note of its offset sends the same lines again: nothing is doubled."""
 

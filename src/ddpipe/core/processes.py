@@ -27,6 +27,28 @@ def start_time(pid: int) -> str | None:
     return None if fields[0] in ("Z", "X") else fields[19]
 
 
+SHELLS = frozenset({"sh", "dash", "bash", "zsh", "ksh", "mksh", "fish"})  # between a program and its command
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """The process's name and its parent's pid (Linux's /proc), or None when unknown."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+        return text[text.index("(") + 1:text.rindex(")")], int(text.rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def caller_past_shells() -> int:
+    """The pid of the program that started this process, past any shell in between: a program running a command
+    through ``$SHELL -c`` (DVC does) is this process's parent only where the shell replaces itself with the command
+    (bash, zsh); dash, Debian's ``/bin/sh``, forks it and waits. Without /proc: the parent."""
+    pid = os.getppid()
+    while pid > 1 and (found := _stat(pid)) is not None and found[0] in SHELLS:
+        pid = found[1]
+    return pid
+
+
 def alive(pid: int, started: str | None = None) -> bool:
     """Whether process ``pid`` runs (a zombie does not), and, given ``started`` (its :func:`start_time`), is
     still that process rather than a later one with the same pid. Without /proc: whether the pid exists."""

@@ -38,7 +38,7 @@ from ddpipe.config.load import user_errors
 from ddpipe.config.schema import Config, ConfigError, DistributedConfig
 from ddpipe.core.claims import TOKEN_ENV, InUse
 from ddpipe.core.exits import EXIT_PREEMPTED, STOP_SIGNALS
-from ddpipe.core.processes import alive, start_time
+from ddpipe.core.processes import alive, caller_past_shells, start_time
 from ddpipe.data.encoding import SMALL_IMAGE_SIDE
 from ddpipe.data.store import PreparedDataError
 from ddpipe.distributed.host_leases import GpuLease, visible_gpus
@@ -281,8 +281,9 @@ def follow_dvc(stop: Callable[[], None]) -> threading.Thread | None:
     """Run by DVC (``$DVC_STAGE`` set: the train stage of `dvc repro` or `dvc exp run`, queued or not): a daemon
     thread that calls ``stop`` (a scheduler's SIGTERM to this training: the workers checkpoint their step) once the
     DVC process that started this one has ended. `dvc queue kill --force` SIGKILLs that process alone: without
-    this, its training would go on, orphaned, in the copy of the repository that DVC removes. Otherwise None."""
-    parent = os.getppid()
+    this, its training would go on, orphaned, in the copy of the repository that DVC removes (the shell DVC runs the
+    stage's command in, when it forks, lives on too). Otherwise None."""
+    parent = caller_past_shells()
     if not os.environ.get("DVC_STAGE") or parent == 1:
         return None
     started = start_time(parent)

@@ -56,6 +56,7 @@ RECORD_FORMAT, FORMAT_KEY = 1, "v"
 # it held both from the first.
 RUN_INFO_FORMAT = 1
 _SAID: set[tuple[str, str]] = set()  # (run key, what) said by this process
+FAILURES_TO_SAY = 2  # failed attempts in a row that make an outage, said
 
 
 def outbox_root(directory: str) -> Path:
@@ -197,14 +198,17 @@ def new_key() -> str:
 
 class Courier:
     """Delivers a journal in the background: at once when a record is added, with backoff while the store does
-    not answer (said once per outage, and once when it answers again). ``others``: first, what earlier runs left
-    waiting in the same outbox (a training or evaluate stage after an outage sends it)."""
+    not answer (said once per outage, and once when it answers again; a failure that the next attempt, a second
+    later, gets past is a blip, not an outage: a restarted server's stale pooled connections, one slow answer).
+    ``others``: first, what earlier runs left waiting in the same outbox (a training or evaluate stage after an
+    outage sends it)."""
 
     def __init__(self, journal: Journal, say: Callable[[str], None] | None = None, others: bool = False) -> None:
         self.journal, self.others = journal, others
         self._say = say or (lambda text: print(text, file=sys.stderr, flush=True))
         self._wake, self._stop = threading.Event(), threading.Event()
-        self._down_since: float | None = None
+        self._down_since: float | None = None  # when the attempts began to fail
+        self._failed, self._said_down = 0, False
         self._thread = threading.Thread(target=self._loop, name=f"ddpipe-outbox-{journal.name}", daemon=True)
         self._thread.start()
 
@@ -235,16 +239,22 @@ class Courier:
             result = self.journal.deliver(wait)
         except Exception as exc:  # whatever the store or the disk says, tracking never takes training down
             result = Delivery(0, len(self.journal.waiting()), exc)
-        if result.error is not None and self._down_since is None:
-            self._down_since = time.monotonic()
-            self.say(f"MLflow: the store at {redact(self.journal.uri)} does not answer ({describe(result.error)}); "
-                     f"the run's records wait in {self.journal.dir} and go when it answers (training goes on)", "down")
-            _SAID.discard((self.journal.key, "back"))
-        elif result.error is None and self._down_since is not None:
-            self.say(f"MLflow: the store answers again after {time.monotonic() - self._down_since:.0f} s; the "
-                     "records that waited were delivered in order", "back")
-            _SAID.discard((self.journal.key, "down"))
-            self._down_since = None
+        if result.error is not None:
+            self._failed += 1
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+            if self._failed == FAILURES_TO_SAY:
+                self._said_down = True
+                self.say(f"MLflow: the store at {redact(self.journal.uri)} does not answer ({describe(result.error)}); "
+                         f"the run's records wait in {self.journal.dir} and go when it answers (training goes on)",
+                         "down")
+                _SAID.discard((self.journal.key, "back"))
+        elif self._down_since is not None:
+            if self._said_down:
+                self.say(f"MLflow: the store answers again after {time.monotonic() - self._down_since:.0f} s; the "
+                         "records that waited were delivered in order", "back")
+                _SAID.discard((self.journal.key, "down"))
+            self._down_since, self._failed, self._said_down = None, 0, False
         return result
 
     def close(self, timeout_s: float = 60.0) -> Delivery:
