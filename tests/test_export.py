@@ -26,8 +26,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> list[st
     """The default network trained for two epochs on the generated MNIST-format data (one leaves near-ties, whose
     INT8 answers grade noise), evaluated, registered as clf."""
     tmp = tmp_path_factory.mktemp("export")
-    args = args_for(tmp, prepared, "mlflow.registered_model_name=clf", "mlflow.experiment_name=exp",
-                    *LIGHT_EXPORT)
+    args = args_for(tmp, prepared, "mlflow.log_model=true", "mlflow.registered_model_name=clf",
+                    "mlflow.experiment_name=exp", *LIGHT_EXPORT)
     run(["python", "stages/train_worker.py", *args])
     run(["python", "stages/evaluate.py", *args])
     return args

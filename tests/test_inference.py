@@ -94,7 +94,8 @@ def test_the_served_model_answers_plain_images_as_the_evaluate_stage_did(tmp_pat
     """Train, evaluate, register; then `mlflow models serve` the logged model and send it uint8 test
     images (N x H x W, as JSON integers) and the same images as floats in [0, 1]: its predictions are
     the evaluate stage's, image for image."""
-    args = args_for(tmp_path, prepared, "num_epochs=1", "mlflow.registered_model_name=tiny-classifier")
+    args = args_for(tmp_path, prepared, "num_epochs=1", "mlflow.log_model=true",
+                    "mlflow.registered_model_name=tiny-classifier")
     run(["python", "stages/train_worker.py", *args], env={"DVC_EXP_NAME": "served"})
     run(["python", "stages/evaluate.py", *args])
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -291,10 +292,11 @@ def test_a_model_of_encoded_images_takes_any_size_and_predicts_as_evaluated(tmp_
     input goes through the evaluation crop of validation and the evaluate stage, at the evaluation size and crop
     (FixRes: larger than trained), and its weights are the ones exported, perhaps their moving average."""
     src = generate(tmp_path / "imgs", 120, 3)
-    args = args_for(tmp_path, tmp_path / "prepared", "num_epochs=1", "data.dataset=imagefolder",
-                    f"data.source_dir={src}", "data.image_size=40", "train.batch_size_per_rank=16",
-                    "data.val_fraction=0.2", "data.test_fraction=0.2", "model.name=resnet_compact",
-                    "train.hflip=true", "data.eval_image_size=48", "data.eval_crop_ratio=0.95", "train.ema_decay=0.8")
+    args = args_for(tmp_path, tmp_path / "prepared", "num_epochs=1", "mlflow.log_model=true",
+                    "data.dataset=imagefolder", f"data.source_dir={src}", "data.image_size=40",
+                    "train.batch_size_per_rank=16", "data.val_fraction=0.2", "data.test_fraction=0.2",
+                    "model.name=resnet_compact", "train.hflip=true", "data.eval_image_size=48",
+                    "data.eval_crop_ratio=0.95", "train.ema_decay=0.8")
     run(["python", "stages/prepare.py", *args])
     run(["python", "stages/train_worker.py", *args])
     run(["python", "stages/evaluate.py", *args])

@@ -200,6 +200,10 @@ def _wait_for_epoch(directory: Path, epoch: int, proc: subprocess.Popen) -> None
     raise AssertionError(f"no checkpoint of epoch {epoch} while the training was alive (exit {proc.poll()})")
 
 
+# the server's store (MLFLOW_TRACKING_URI), the model logged and registered
+TEAM = ("mlflow.tracking_uri=null", "mlflow.log_model=true", "mlflow.registered_model_name=team-classifier")
+
+
 def test_a_sweep_of_four_at_once_two_on_two_nodes_with_their_evaluations(server: Server, tmp_path: Path,
                                                                          prepared: Path) -> None:
     """Four trainings at once against the PostgreSQL-backed server, two of them two-node jobs (two torchrun agents
@@ -211,8 +215,7 @@ def test_a_sweep_of_four_at_once_two_on_two_nodes_with_their_evaluations(server:
     for i in range(4):
         d = tmp_path / f"t{i}"
         dirs.append(d)
-        args = args_for(d, prepared, "mlflow.tracking_uri=null", "mlflow.sweep=team-grid", f"seed={i}",
-                        "mlflow.registered_model_name=team-classifier", f"train.base_lr={0.003 * (i + 1)}",
+        args = args_for(d, prepared, *TEAM, "mlflow.sweep=team-grid", f"seed={i}", f"train.base_lr={0.003 * (i + 1)}",
                         "mlflow.log_system_metrics=true")
         if i < 2:  # two nodes: two launchers sharing a rendezvous endpoint
             port = free_port()
@@ -226,15 +229,13 @@ def test_a_sweep_of_four_at_once_two_on_two_nodes_with_their_evaluations(server:
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=900)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
-    evals = [subprocess.Popen(["python", "stages/evaluate.py", *args_for(d, prepared, "mlflow.tracking_uri=null",
-                                                                          "mlflow.registered_model_name=team-classifier")],
+    evals = [subprocess.Popen(["python", "stages/evaluate.py", *args_for(d, prepared, *TEAM)],
                               cwd=ROOT, env=subprocess_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for d in dirs]
     outs = [p.communicate(timeout=600)[0] for p in evals]
     assert all(p.returncode == 0 for p in evals), "\n".join(o[-3000:] for o in outs)
-    exports = [subprocess.Popen(["python", "stages/export.py", *args_for(d, prepared, "mlflow.tracking_uri=null",
-                                                                         "mlflow.registered_model_name=team-classifier",
-                                                                         "export.int8=false", *LIGHT_EXPORT)],
+    exports = [subprocess.Popen(["python", "stages/export.py", *args_for(d, prepared, *TEAM, "export.int8=false",
+                                                                         *LIGHT_EXPORT)],
                                 cwd=ROOT, env=subprocess_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True) for d in dirs]  # the alias moves here, once a version's exports passed
     # (fp32 only: the INT8 copy of a 2-epoch, width-8 network disagrees with it on 2.5-3.5% of these 200 images, near

@@ -73,7 +73,7 @@ def test_tracking_uri_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 
 @pytest.mark.slow
 def test_training_and_evaluation_make_one_complete_run(tmp_path: Path, prepared: Path) -> None:
-    args = args_for(tmp_path, prepared, "mlflow.experiment_name=unit", "train.export=best")
+    args = args_for(tmp_path, prepared, "mlflow.experiment_name=unit", "train.export=best", "mlflow.log_model=true")
     trained = run(["python", "stages/train_worker.py", *args],
                   env={"DVC_EXP_NAME": "my-exp", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"})
     run(["python", "stages/evaluate.py", *args])
@@ -179,7 +179,8 @@ def test_real_mlflow_server_gets_system_metrics_from_every_node(tmp_path: Path, 
 def test_a_store_down_for_the_whole_training_loses_nothing(tmp_path: Path, prepared: Path) -> None:
     """The training completes; what it logged waits in the outbox, said once with the command that sends it;
     that command delivers it all, once, into the store when it answers."""
-    result = run(["python", "stages/train_worker.py", *args_for(tmp_path, prepared, "num_epochs=2")],
+    result = run(["python", "stages/train_worker.py", *args_for(tmp_path, prepared, "num_epochs=2",
+                                                                "mlflow.log_model=true")],
                  env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}, timeout=300)
     assert result.stderr.count("does not answer") == 1 and result.stderr.count("python -m ddpipe.outbox deliver") == 1
     assert (tmp_path / "model.pt").is_file() and (tmp_path / "train.json").is_file()
