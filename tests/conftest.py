@@ -392,7 +392,8 @@ def prune_a_two_process_trial(tmp: Path, prepared: Path, storage: str, study_nam
     training left. Returns the trial as the study then holds it, and the training's directory."""
     import optuna
 
-    from ddpipe.engine.pruning import TRIAL_ENV, make_pruner, open_storage
+    from ddpipe.core.environment import TRIAL_ENV
+    from ddpipe.engine.pruning import make_pruner, open_storage
 
     study = optuna.create_study(study_name=study_name, storage=open_storage(storage), direction="maximize",
                                 pruner=make_pruner("median", 1))

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpipe.core.claims import LOCK_NAME, TOKEN_ENV, Claim, InUse, read_holders
+from ddpipe.core.claims import LOCK_NAME, Claim, InUse, read_holders
+from ddpipe.core.environment import CLAIM_ENV, LAUNCHER_ENV
 from ddpipe.core.processes import start_time
-from ddpipe.distributed.preemption import LAUNCHER_ENV
 from tests.conftest import ROOT, subprocess_env
 
 HOLD = textwrap.dedent("""
@@ -120,7 +120,7 @@ def test_a_worker_stops_within_seconds_of_its_launcher_or_agent_being_killed(tmp
                      "p = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2], sys.argv[3]]); "
                      "print(p.pid, flush=True); time.sleep(600)")
     env = subprocess_env({"TORCHELASTIC_RUN_ID": "test"})
-    env.pop(TOKEN_ENV, None)
+    env.pop(CLAIM_ENV, None)
     launcher = subprocess.Popen([sys.executable, "-c", launcher_code, agent_code, FOLLOWER, str(done)], cwd=ROOT,
                                 env=env, stdout=subprocess.PIPE, text=True)
     agent_pid = int(launcher.stdout.readline())

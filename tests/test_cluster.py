@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ddpipe.core.environment import NODES_ENV
 from ddpipe.launch.cluster import kubernetes
 from ddpipe.launch.cluster.queue import exp_ref
-from ddpipe.launch.torchrun import NODES_ENV, cluster_nodes
+from ddpipe.launch.torchrun import cluster_nodes
 from tests.conftest import (
     GIT_ENV,
     VENV_BIN,

@@ -1,6 +1,6 @@
 """The library's shape, read from the code itself: packages in the layers ddpipe.LAYERS states (every import
 counts: at the top, inside functions, under TYPE_CHECKING), thin entry points at the package root, no file or
-class too long to read at a glance, and each rule's number written once."""
+class too long to read at a glance, each rule's number and each environment variable's name written once."""
 
 from __future__ import annotations
 
@@ -95,6 +95,19 @@ def test_each_rules_number_is_written_once() -> None:
     named constant each, which everything else imports."""
     for value in (0.875, 75, 29400):
         assert len(_numbers_in_code(value)) == 1, (value, _numbers_in_code(value))
+
+
+def test_each_environment_variable_is_named_once() -> None:
+    """The DDPIPE_* variables ddpipe passes to the processes it starts: each name a constant of
+    ddpipe.core.environment, which the setter and the reader both import (a string elsewhere is a second spelling)."""
+    home = SRC / "core" / "environment.py"
+    found = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in SRC.rglob("*.py") if path != home
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("DDPIPE_")]
+    assert found == []
+    named = [n.value for n in ast.walk(ast.parse(home.read_text())) if isinstance(n, ast.Constant)
+             and isinstance(n.value, str) and n.value.startswith("DDPIPE_")]
+    assert len(named) == len(set(named)) >= 8
 
 
 def _fenced_lines(text: str) -> list[tuple[int, str]]:

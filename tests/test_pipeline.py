@@ -137,8 +137,7 @@ def test_the_evaluation_and_the_served_model_import_nothing_of_the_process_group
 
 
 def test_the_tracker_records_a_run_and_writes_no_output_of_the_train_stage() -> None:
-    text = (SRC / "tracking" / "tracker.py").read_text()
-    assert len(text.splitlines()) < 300
+    text = (SRC / "tracking" / "tracker.py").read_text()  # its length: every module's bound (test_layout)
     for key in ("paths.model", "paths.train_metrics", "paths.history", "paths.run_info", "save_model"):
         assert key not in text, key
 

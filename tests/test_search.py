@@ -17,6 +17,7 @@ import yaml
 
 from ddpipe.config.load import load_config
 from ddpipe.config.schema import ConfigError
+from ddpipe.core.environment import REPO_ROOT_ENV
 from ddpipe.search.space import make_plan, override_text
 from tests.conftest import (
     CLONE_ENV,
@@ -113,7 +114,7 @@ def test_a_key_outside_the_search_section_is_refused_on_the_command_line(tmp_pat
     it, nothing written."""
     from ddpipe.search.cli import main
 
-    monkeypatch.setenv("DDPIPE_REPO_ROOT", str(tmp_path))
+    monkeypatch.setenv(REPO_ROOT_ENV, str(tmp_path))
     with pytest.raises(SystemExit) as exits:
         main(["run", LR, "num_epochs=20"])
     assert exits.value.code == 2
@@ -126,7 +127,7 @@ def test_a_storage_that_does_not_answer_fails_before_any_trial(tmp_path: Path, c
     """The command exits 2 naming search.storage; nothing was written (no study, no folder)."""
     from ddpipe.search.cli import main
 
-    monkeypatch.setenv("DDPIPE_REPO_ROOT", str(tmp_path))
+    monkeypatch.setenv(REPO_ROOT_ENV, str(tmp_path))
     for storage in ("postgresql+psycopg://nobody@127.0.0.1:9/optuna", f"sqlite:///{tmp_path}/no/such/dir/s.db"):
         with pytest.raises(SystemExit) as exits:
             main(["run", LR, f"search.storage={storage}"])
@@ -148,7 +149,7 @@ def test_a_database_that_hangs_fails_in_seconds_naming_the_storage(tmp_path: Pat
     from ddpipe.engine import pruning
     from ddpipe.search.cli import main
 
-    monkeypatch.setenv("DDPIPE_REPO_ROOT", str(tmp_path))
+    monkeypatch.setenv(REPO_ROOT_ENV, str(tmp_path))
     monkeypatch.setattr(pruning, "CONNECT_TIMEOUT_S", 2)
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
@@ -460,7 +461,7 @@ def test_remove_keeps_the_best_trials_experiments_and_leaves_the_study_whole(
     repo.mkdir()
     _study_with_experiments(repo)
     monkeypatch.chdir(repo)
-    monkeypatch.setenv("DDPIPE_REPO_ROOT", str(repo))
+    monkeypatch.setenv(REPO_ROOT_ENV, str(repo))
     monkeypatch.setenv("PATH", f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     everything = sorted(_experiments(repo))
     assert everything == ["t-0", "t-1", "t-3", "t-4", "t-5", "t-9", "u-1"]

@@ -24,7 +24,8 @@ LR = "search.space.train.base_lr=loguniform(1e-4, 1e-1)"
 FAKE_TRAINING = """
 import json, math, os
 import optuna
-from ddpipe.engine.pruning import TRIAL_ENV, open_storage
+from ddpipe.core.environment import TRIAL_ENV
+from ddpipe.engine.pruning import open_storage
 spec = json.loads(os.environ[TRIAL_ENV])
 study = optuna.load_study(study_name=spec["study"], storage=open_storage(spec["storage"]))
 trial = optuna.trial.Trial(study, spec["trial_id"])
@@ -227,7 +228,8 @@ def test_a_trial_trains_only_registers_nothing_and_carries_no_test_figures(tmp_p
     import optuna
     import yaml
 
-    from ddpipe.engine.pruning import TRIAL_ENV, trial_config
+    from ddpipe.core.environment import TRIAL_ENV
+    from ddpipe.engine.pruning import trial_config
     from ddpipe.search.driver import command
 
     plan = _plan(tmp_path, "search.study=c", "search.first=[]")
@@ -257,7 +259,8 @@ FAKE_EPOCHS = """
 import json, math, os, sys
 from ddpipe.core.ranks import DistInfo
 from ddpipe.engine.meters import EpochStats
-from ddpipe.engine.pruning import TRIAL_ENV, SearchTrial, validation_number
+from ddpipe.core.environment import TRIAL_ENV
+from ddpipe.engine.pruning import SearchTrial, validation_number
 spec = json.loads(os.environ[TRIAL_ENV])
 trial = SearchTrial(spec, DistInfo())
 quality = 1.0 - abs(math.log10(trial.trial.params["train.base_lr"]) + 2.0) / 3.0
@@ -273,7 +276,8 @@ for epoch in range(1, 10):
 FAKE_STEPS = """
 import json, math, os, sys
 from ddpipe.core.ranks import DistInfo
-from ddpipe.engine.pruning import TRIAL_ENV, SearchTrial, validation_number
+from ddpipe.core.environment import TRIAL_ENV
+from ddpipe.engine.pruning import SearchTrial, validation_number
 trial = SearchTrial(json.loads(os.environ[TRIAL_ENV]), DistInfo())
 quality = 1.0 - abs(math.log10(trial.trial.params["train.base_lr"]) + 2.0) / 3.0
 for epoch in range(1, 4):

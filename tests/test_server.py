@@ -23,6 +23,7 @@ import pytest
 
 from ddpipe.config.load import load_config
 from ddpipe.config.schema import ConfigError
+from ddpipe.core.environment import REPO_ROOT_ENV
 from ddpipe.data.store import open_split
 from ddpipe.search.space import Plan, make_plan
 from tests.conftest import (
@@ -345,7 +346,7 @@ def test_a_wrong_search_database_password_fails_before_anything_is_made(
     said = (f"search.storage = '{shown}' does not answer or refuses us", 'password authentication failed for user '
             '"search"', "expected a reachable database (sqlite:///path.db, postgresql://user@host/db with PGPASSWORD")
     assert all(s in str(refused.value) for s in said) and wrong not in str(refused.value), refused.value
-    monkeypatch.setenv("DDPIPE_REPO_ROOT", str(tmp_path))  # the command: exit 2 before any trial, nothing written
+    monkeypatch.setenv(REPO_ROOT_ENV, str(tmp_path))  # the command: exit 2 before any trial, nothing written
     with pytest.raises(SystemExit) as exits:
         main(["run", SPACE, f"search.storage={server.search_storage}", "search.study=refused"])
     err = capsys.readouterr().err

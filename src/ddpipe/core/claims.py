@@ -32,8 +32,6 @@ from ddpipe.core.files import partial_files, remove_partial
 from ddpipe.core.processes import alive, host_lock, start_time
 
 LOCK_NAME = ".ddpipe-training.lock"
-# The claim's token, passed by whoever took it to the processes that join it (a launcher to its torchrun's workers)
-TOKEN_ENV = "DDPIPE_TRAINING_CLAIM"
 
 
 class InUse(RuntimeError):

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ddpipe.core.environment import LAUNCHER_ENV
 from ddpipe.core.exits import STOP_SIGNALS, Preempted
 from ddpipe.core.processes import alive, start_time
 from ddpipe.core.ranks import DistInfo
@@ -94,9 +95,6 @@ class StopRequests:
         return answer
 
 
-# Set by ddpipe.launch for the torchrun it starts: "PID START" of the launcher (its start time, as
-# ddpipe.core.processes.start_time gives it), which every worker follows
-LAUNCHER_ENV = "DDPIPE_LAUNCHER"
 FOLLOW_EVERY_S = 0.5
 # How long a worker whose launcher died waits for its training to reach a step boundary (the stop agreed, its
 # checkpoint under way) before it leaves at once (inside a validation pass, or writing a finished training's

@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ddpipe.core.environment import TRIAL_ENV
 from ddpipe.core.exits import TrialPruned
 from ddpipe.core.ranks import DistInfo
 from ddpipe.distributed import group as dd
@@ -29,9 +30,6 @@ from ddpipe.engine.meters import EpochStats
 # search.storage, and a training's rank 0 fails with the error instead of every rank waiting out the collective
 # timeout (issue 47)
 CONNECT_TIMEOUT_S = 10
-TRIAL_ENV = "DDPIPE_SEARCH_TRIAL"  # JSON: storage, study, trial (number), trial_id, metric, pruner, startup_trials,
-# checkpoints (the trial's own directory, beside the experiment's workspace), attempt (the driver's count), stage (the
-# one stage a trial runs) and held_out (the evaluate and export stages' tracked files, kept out of its experiment)
 # The metrics a trial may be judged by: the epoch's own, as EpochStats logs them (the ema_ ones need train.ema_decay)
 EPOCH_METRICS = tuple(f.name for f in dataclasses.fields(EpochStats) if f.name != "epoch")
 

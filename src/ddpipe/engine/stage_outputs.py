@@ -19,7 +19,8 @@ from typing import Any
 
 from ddpipe.config.keys import trajectory
 from ddpipe.config.schema import Config
-from ddpipe.core.claims import TOKEN_ENV, Claim
+from ddpipe.core.claims import Claim
+from ddpipe.core.environment import CLAIM_ENV
 from ddpipe.core.files import atomic_write_json, atomic_write_text
 from ddpipe.core.ranks import DistInfo
 from ddpipe.data.store import Prepared
@@ -68,10 +69,10 @@ def claim_training(cfg: Config, role: str) -> Claim:
 
 
 def hold_training(cfg: Config, info: DistInfo) -> Claim | None:
-    """This worker's hold on its training's directories: it joins the claim its launcher took (:data:`TOKEN_ENV`);
+    """This worker's hold on its training's directories: it joins the claim its launcher took (:data:`CLAIM_ENV`);
     started otherwise, global rank 0 takes one (a plain process, a torchrun by hand, a node of a several-node job:
     their launchers cannot tell which node writes) and the other ranks, which write nothing there, hold none."""
-    if token := os.environ.get(TOKEN_ENV):
+    if token := os.environ.get(CLAIM_ENV):
         return Claim.join(training_places(cfg), token, f"rank {info.rank}")
     return Claim.take(training_places(cfg), "rank 0") if info.is_main else None
 

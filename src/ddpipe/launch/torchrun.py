@@ -36,7 +36,8 @@ import torch
 from ddpipe.config.command import load_or_exit
 from ddpipe.config.load import user_errors
 from ddpipe.config.schema import Config, ConfigError, DistributedConfig
-from ddpipe.core.claims import TOKEN_ENV, InUse
+from ddpipe.core.claims import InUse
+from ddpipe.core.environment import CHECKED_ENV, CLAIM_ENV, NODES_ENV
 from ddpipe.core.exits import EXIT_PREEMPTED, STOP_SIGNALS
 from ddpipe.core.processes import alive, caller_past_shells, start_time
 from ddpipe.data.encoding import SMALL_IMAGE_SIDE
@@ -99,11 +100,6 @@ def _torchrun_accepts(flag: str) -> bool:
     return flag.split("=")[0] in get_args_parser()._option_string_actions
 
 
-# Set by a ddpipe.launch.cluster job for its train stage: "HOST:PORT RDZV_ID [LAUNCHER ...]", the rendezvous of the
-# job's nodes and, under SLURM, the srun that starts this launcher once on each of them (ddpipe.launch.cluster.job)
-NODES_ENV = "DDPIPE_CLUSTER_NODES"
-
-
 def cluster_nodes(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """Under a ddpipe.launch.cluster job (:data:`NODES_ENV`): the rendezvous overrides of its nodes (before ``argv``:
     the stage's own command line wins) and the command that starts this launcher on every node (empty where the
@@ -114,10 +110,6 @@ def cluster_nodes(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     endpoint, rdzv_id, *launcher = spec
     rdzv = [f"distributed.rdzv_endpoint={endpoint}", f"distributed.rdzv_id={rdzv_id}"]
     return [*rdzv, *argv], [*launcher, sys.executable, "-m", "ddpipe.launch", *rdzv, *argv] if launcher else []
-
-
-# In the environment of the workers of a job this launcher checked (``preflight``): they skip those checks.
-CHECKED_ENV = "DDPIPE_LAUNCH_CHECKED"
 
 
 def this_device() -> torch.device:
@@ -199,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     with user_errors(InUse):
         claim = claim_training(cfg, "launcher") if cfg.distributed.nnodes == "1" else None
     try:
-        code = run_torchrun(cfg, job, overrides, {**env, **({TOKEN_ENV: claim.token} if claim else {})})
+        code = run_torchrun(cfg, job, overrides, {**env, **({CLAIM_ENV: claim.token} if claim else {})})
         if claim is not None and code != 0:  # a killed torchrun's workers stop on their own: wait for them
             claim.wait_for_others(cfg.distributed.shutdown_timeout_s + 30.0, _say)
     finally:

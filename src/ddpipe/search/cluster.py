@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpipe.config.schema import ClusterConfig, ConfigError
-from ddpipe.engine.pruning import TRIAL_ENV
+from ddpipe.core.environment import TRIAL_ENV
 from ddpipe.launch.cluster import ClusterError, records
 from ddpipe.launch.cluster.cli import ENDED, GRACE_SECONDS, cancel, collect, live_states, scheduler, submit
 

@@ -3,14 +3,13 @@ until the study holds ``search.trials`` finished ones (completed or pruned); the
 
 Each trial is ``dvc exp run -n <study>-<number> -S key=value ... -S mlflow.sweep=<study> train``: a DVC experiment of
 the train stage alone (never evaluate or export: the test split is for the chosen trial, once), run in a workspace of
-its own (:mod:`ddpipe.launch.workspace`: a clone of the repository at HEAD with the
-working tree's changes, DVC's cache shared), beside the others; on success its experiment ref is sent back to the
-repository. (``dvc exp run --temp`` runs share one DVC stash, and one takes whichever entry is first in it: started
-together, a trial could run another's params under its own trial.) Its MLflow run is a child of the study's parent
-run. The trial's training learns its trial from
-:data:`~ddpipe.engine.pruning.TRIAL_ENV` in its environment, reports each epoch and may be pruned: its stage then
-fails, so a pruned trial leaves no DVC experiment (its MLflow run, KILLED and tagged, and the study keep it). All of
-Optuna's calls are made from this one thread; the experiments run as child processes, polled.
+its own (:mod:`ddpipe.launch.workspace`: a clone of the repository at HEAD with the working tree's changes, DVC's
+cache shared), beside the others; on success its experiment ref is sent back to the repository. (``dvc exp run
+--temp`` runs share one DVC stash, and one takes whichever entry is first in it: started together, a trial could run
+another's params under its own trial.) Its MLflow run is a child of the study's parent run. The trial's training
+learns its trial from :data:`~ddpipe.core.environment.TRIAL_ENV` in its environment, reports each epoch and may be
+pruned: its stage then fails, so a pruned trial leaves no DVC experiment (its MLflow run, KILLED and tagged, and the
+study keep it). All of Optuna's calls are made from this one thread; the experiments run as child processes, polled.
 
 A trial stopped by a signal (SIGTERM, SIGUSR1: its training checkpoints the step and says so to the study) runs again
 under its number, from that step: its checkpoints live in ``search/<study>/trial-<n>/checkpoints``, beside its
@@ -40,8 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from ddpipe.config.schema import ClusterConfig
+from ddpipe.core.environment import REPO_ROOT_ENV, TRIAL_ENV
 from ddpipe.core.exits import pruned_where
-from ddpipe.engine.pruning import TRIAL_ENV, epoch_values, trial_value
+from ddpipe.engine.pruning import epoch_values, trial_value
 from ddpipe.launch import workspace
 from ddpipe.launch.cluster.queue import exp_ref, git
 from ddpipe.search import cluster as on_cluster
@@ -276,7 +276,7 @@ def start(plan: Plan, study: Any, root: Path, say: Any, resumed: Any = None,
     cmd = command(plan, trial)
     say(f"trial {trial.number}{f' (attempt {attempt})' if attempt > 1 else ''}: {' '.join(cmd)}  (log: {log})")
     env = {**os.environ, TRIAL_ENV: json.dumps(spec),
-           "DDPIPE_REPO_ROOT": str(root),  # the MLflow store and outbox of the repository, not of the workspace
+           REPO_ROOT_ENV: str(root),  # the MLflow store and outbox of the repository, not of the workspace
            "PYTHONPATH": os.pathsep.join(p for p in (str(ws / "src"), os.environ.get("PYTHONPATH")) if p)}
     with open(log, "a" if attempt > 1 else "w") as out:
         process = subprocess.Popen(cmd, cwd=ws, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpipe.config.schema import MlflowConfig
+from ddpipe.core.environment import REPO_ROOT_ENV
 from ddpipe.core.processes import named_host_lock
 
 # Bounded cost when a tracking server is down or slow; the user's own MLFLOW_HTTP_* settings win.
@@ -38,8 +39,8 @@ def repo_root() -> Path:
     """``$DDPIPE_REPO_ROOT`` (the user's repository, set by a ddpipe.launch.cluster job for the experiment it runs in a
     workspace of its own), else ``$DVC_ROOT`` under DVC, else the nearest directory upwards holding ``dvc.yaml``,
     else cwd."""
-    if os.environ.get("DDPIPE_REPO_ROOT"):
-        return Path(os.environ["DDPIPE_REPO_ROOT"]).resolve()
+    if os.environ.get(REPO_ROOT_ENV):
+        return Path(os.environ[REPO_ROOT_ENV]).resolve()
     if os.environ.get("DVC_ROOT"):
         return Path(os.environ["DVC_ROOT"]).resolve()
     here = Path.cwd().resolve()

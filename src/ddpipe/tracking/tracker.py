@@ -27,6 +27,7 @@ from typing import Any
 
 from ddpipe import __version__
 from ddpipe.config.schema import Config, MlflowConfig
+from ddpipe.core.environment import CLUSTER_JOB_ENV, CLUSTER_LOG_ENV
 from ddpipe.core.errors import one_line
 from ddpipe.core.exits import Preempted, TrialPruned
 from ddpipe.core.files import atomic_write_json
@@ -49,7 +50,7 @@ from ddpipe.tracking.store import (
 )
 
 # A run of an experiment that python -m ddpipe.cluster sent to a scheduler: its job and the log a person reads
-CLUSTER_TAGS = {"ddpipe.cluster.job": "DDPIPE_CLUSTER_JOB", "ddpipe.cluster.log": "DDPIPE_CLUSTER_LOG"}
+CLUSTER_TAGS = {"ddpipe.cluster.job": CLUSTER_JOB_ENV, "ddpipe.cluster.log": CLUSTER_LOG_ENV}
 
 
 def end_reason(exc: BaseException) -> tuple[str, str]:

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
+from ddpipe.core.environment import CLUSTER_JOB_ENV, CLUSTER_LOG_ENV, NODES_ENV, REPO_ROOT_ENV
 from ddpipe.core.exits import EXIT_PREEMPTED, STOP_SIGNALS
 from ddpipe.engine.pruning import trial_spec
 from ddpipe.launch import workspace
@@ -70,15 +71,13 @@ def make_workspace(m: dict, e: dict, ws: Path) -> None:
 
 
 def environment(m: dict, e: dict, ws: Path, sched) -> dict[str, str]:
-    from ddpipe.launch.torchrun import NODES_ENV
-
     env = {**os.environ, "PATH": f"{Path(m['python']).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "PYTHONPATH": str(ws / "src"),  # the experiment's own library, not the installed checkout's
-           "PYTHONUNBUFFERED": "1", "DDPIPE_CLUSTER_JOB": sched.job_id(), "DDPIPE_CLUSTER_LOG": e["log"]}
+           "PYTHONUNBUFFERED": "1", CLUSTER_JOB_ENV: sched.job_id(), CLUSTER_LOG_ENV: e["log"]}
     if not env.get("MLFLOW_TRACKING_URI"):  # the job's own (with credentials) wins
         env["MLFLOW_TRACKING_URI"] = e["tracking_uri"]
     if e["storage"] == "shared":  # the outbox and default store of the user's repository, not of this workspace
-        env["DDPIPE_REPO_ROOT"] = m["repo"]
+        env[REPO_ROOT_ENV] = m["repo"]
     if e["nnodes"] > 1:
         env[NODES_ENV] = sched.nodes_env(e["nnodes"], ws)
     return env

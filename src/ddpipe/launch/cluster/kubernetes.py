@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 from ddpipe.config.schema import Config
+from ddpipe.core.environment import K8S_JOB_ENV
 from ddpipe.core.exits import EXIT_PREEMPTED, STOP_SIGNALS
 from ddpipe.launch.cluster import ClusterError
 from ddpipe.launch.torchrun import RDZV_PORT
@@ -57,7 +58,7 @@ def manifests(cfg: Config, job: str, submission: str, name: str, python: str, ma
     container = {
         "name": "ddpipe", "image": c.image, "workingDir": str(repo),
         "command": [python, "-m", "ddpipe.launch.cluster.job", str(manifest), str(index)],
-        "env": [{"name": "DDPIPE_K8S_JOB", "value": job}],
+        "env": [{"name": K8S_JOB_ENV, "value": job}],
         "ports": [{"name": "rdzv", "containerPort": PORT}],
         "volumeMounts": [{"name": "workspace", "mountPath": str(repo)}],
     }
@@ -123,7 +124,7 @@ def cancel(jobs: list[str]) -> None:
 
 
 def job_id() -> str:
-    return os.environ.get("DDPIPE_K8S_JOB", "")
+    return os.environ.get(K8S_JOB_ENV, "")
 
 
 def attempt() -> int:

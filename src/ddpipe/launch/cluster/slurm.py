@@ -211,7 +211,7 @@ def attempt() -> int:
 
 
 def nodes_env(nnodes: int, workspace: Path) -> str:
-    """ddpipe.launch's :data:`~ddpipe.launch.torchrun.NODES_ENV` for a job of ``nnodes`` nodes: the rendezvous on its
+    """ddpipe.launch's :data:`~ddpipe.core.environment.NODES_ENV` for a job of ``nnodes`` nodes: the rendezvous on its
     first node (this one; the address SLURM reaches it at, a port from the job id) and the srun that starts one launcher
     per node in ``workspace``."""
     job = os.environ["SLURM_JOB_ID"]
