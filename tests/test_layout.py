@@ -110,6 +110,19 @@ def test_each_environment_variable_is_named_once() -> None:
     assert len(named) == len(set(named)) >= 8
 
 
+def test_the_test_metrics_are_named_once() -> None:
+    """test_accuracy and its kin: logged by the evaluate stage, tagged on model versions and compared by the champion
+    gate, averaged by the sweeps; one constant each in ddpipe.core.metric_names, never a bare string elsewhere."""
+    from ddpipe.core import metric_names
+
+    names = {v for k, v in vars(metric_names).items() if k.isupper()}
+    home = SRC / "core" / "metric_names.py"
+    found = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in SRC.rglob("*.py") if path != home
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names]
+    assert found == [] and names >= {"test_accuracy", "test_split"}
+
+
 def _fenced_lines(text: str) -> list[tuple[int, str]]:
     """The lines inside the ``` code blocks of a markdown text, with their line numbers (from 1)."""
     inside, found = False, []

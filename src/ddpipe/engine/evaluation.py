@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from ddpipe.config.schema import Config
 from ddpipe.core.devices import cpu_count
 from ddpipe.core.files import atomic_open, atomic_write_json, atomic_write_text
+from ddpipe.core.metric_names import TEST_ACCURACY, TEST_LOSS, TEST_MACRO_F1
 from ddpipe.data.loaders import BatchKey, Loader, Splits
 from ddpipe.data.store import PreparedDataError, load_meta
 from ddpipe.engine.resolved import eval_batch_size, loader_workers
@@ -125,7 +126,7 @@ def _log_to_run(cfg: Config, test: dict, per_class: dict, reports: Path) -> None
         print(f"note: no MLflow run recorded in {run_info}; test metrics are in {cfg.paths.test_metrics} only")
         return
     tracker = RunLogger(cfg.mlflow, run_id)  # the run keeps the status the training gave it
-    flat = {"test_accuracy": test["accuracy"], "test_loss": test["loss"], "test_macro_f1": test["macro_f1"]}
+    flat = {TEST_ACCURACY: test["accuracy"], TEST_LOSS: test["loss"], TEST_MACRO_F1: test["macro_f1"]}
     for name, pc in per_class.items():
         key = "".join(ch if ch.isalnum() else "_" for ch in name)
         flat[f"test_precision_{key}"] = pc["precision"]

@@ -17,6 +17,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from ddpipe.core.metric_names import TEST_ACCURACY, TEST_SPLIT
 from ddpipe.core.processes import named_host_lock
 from ddpipe.data.store import SPLITS
 
@@ -42,12 +43,12 @@ def record_and_promote(client: Any, run_id: str, rec: dict) -> None:
     version measured on the holder's test split (this one's when there is no holder), if that beats the holder.
     Each evaluate stage tags first and decides second, under a lock on this host, so evaluate stages at once
     converge on the best version whatever their order. Prints what it did."""
-    name, alias, accuracy, split = rec["model_name"], rec.get("alias"), float(rec["test_accuracy"]), rec["split"]
+    name, alias, accuracy, split = rec["model_name"], rec.get("alias"), float(rec[TEST_ACCURACY]), rec["split"]
     version = _version_of(client, name, run_id, "test accuracy", quiet=True) or _register(client, name, run_id)
     if version is None:
         return
-    client.set_model_version_tag(name, version, "test_accuracy", f"{accuracy:.6f}")
-    client.set_model_version_tag(name, version, "test_split", split)
+    client.set_model_version_tag(name, version, TEST_ACCURACY, f"{accuracy:.6f}")
+    client.set_model_version_tag(name, version, TEST_SPLIT, split)
     if not alias:
         return
     with named_host_lock("alias", client.tracking_uri, name, alias):
@@ -106,13 +107,13 @@ def record_export(client: Any, run_id: str, rec: dict, uris: dict[str, str]) -> 
               flush=True)
         return
     tags = client.get_model_version(name, version).tags
-    if not alias or "test_accuracy" not in tags:
+    if not alias or TEST_ACCURACY not in tags:
         if alias:
             print(f"MLflow: {name}@{alias} not moved: version {version} has no test accuracy (run the evaluate stage)",
                   flush=True)
         return
     with named_host_lock("alias", client.tracking_uri, name, alias):
-        _promote(client, name, alias, version, float(tags["test_accuracy"]), tags["test_split"])
+        _promote(client, name, alias, version, float(tags[TEST_ACCURACY]), tags[TEST_SPLIT])
 
 
 def _promote(client: Any, name: str, alias: str, version: str, accuracy: float, split: str) -> None:
@@ -120,30 +121,30 @@ def _promote(client: Any, name: str, alias: str, version: str, accuracy: float, 
         holder = client.get_model_version_by_alias(name, alias)
     except Exception:  # no holder yet
         holder = None
-    if holder is not None and holder.tags.get("test_split") != split:
+    if holder is not None and holder.tags.get(TEST_SPLIT) != split:
         print(f"MLflow: {name}@{alias} stays on version {holder.version}: it was measured on another test split "
-              f"({holder.tags.get('test_split')} vs {split}); version {version} has test accuracy {accuracy:.4f}. "
+              f"({holder.tags.get(TEST_SPLIT)} vs {split}); version {version} has test accuracy {accuracy:.4f}. "
               f"Move it by hand if wanted: MlflowClient().set_registered_model_alias({name!r}, {alias!r}, "
               f"{version!r})", flush=True)
         return
     measured = [v for v in client.search_model_versions(f"name = '{name}'")  # only those whose exports passed
-                if v.tags.get("test_split") == split and "test_accuracy" in v.tags and v.tags.get("export_passed") ==
+                if v.tags.get(TEST_SPLIT) == split and TEST_ACCURACY in v.tags and v.tags.get("export_passed") ==
                 "true"]
     if not measured:
         print(f"MLflow: {name}@{alias} not moved: no version measured on this test split has passed its export",
               flush=True)
         return
-    best = max(measured, key=lambda v: (float(v.tags["test_accuracy"]), -int(v.version)))
-    best_acc = float(best.tags["test_accuracy"])
+    best = max(measured, key=lambda v: (float(v.tags[TEST_ACCURACY]), -int(v.version)))
+    best_acc = float(best.tags[TEST_ACCURACY])
     if holder is None:
         client.set_registered_model_alias(name, alias, best.version)
         print(f"MLflow: {name}@{alias} -> version {best.version} (test accuracy {best_acc:.4f}; the first holder)",
               flush=True)
-    elif best.version != holder.version and best_acc > float(holder.tags["test_accuracy"]):
+    elif best.version != holder.version and best_acc > float(holder.tags[TEST_ACCURACY]):
         client.set_registered_model_alias(name, alias, best.version)
         print(f"MLflow: {name}@{alias} -> version {best.version} (test accuracy {best_acc:.4f} beats version "
-              f"{holder.version}'s {float(holder.tags['test_accuracy']):.4f} on the same test split)", flush=True)
+              f"{holder.version}'s {float(holder.tags[TEST_ACCURACY]):.4f} on the same test split)", flush=True)
     else:
         print(f"MLflow: {name}@{alias} stays on version {holder.version} (test accuracy "
-              f"{float(holder.tags['test_accuracy']):.4f}; version {version} has {accuracy:.4f} on the same test "
+              f"{float(holder.tags[TEST_ACCURACY]):.4f}; version {version} has {accuracy:.4f} on the same test "
               "split)", flush=True)

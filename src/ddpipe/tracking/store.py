@@ -19,6 +19,7 @@ from typing import Any
 
 from ddpipe.config.schema import MlflowConfig
 from ddpipe.core.environment import REPO_ROOT_ENV
+from ddpipe.core.metric_names import TEST_ACCURACY, TEST_MACRO_F1
 from ddpipe.core.processes import named_host_lock
 
 # Bounded cost when a tracking server is down or slow; the user's own MLFLOW_HTTP_* settings win.
@@ -96,7 +97,7 @@ def is_server(uri: str) -> bool:
 # viewStateShareKey=<key>, selects the columns below and sorts by test accuracy.
 VIEW_KEY = "ddpipe"
 # (the UI orders params by name: more of them push world_size off a 1920-pixel screen)
-VIEW_COLUMNS = ("attributes.`Dataset`", "metrics.`test_accuracy`", "metrics.`test_macro_f1`",
+VIEW_COLUMNS = ("attributes.`Dataset`", f"metrics.`{TEST_ACCURACY}`", f"metrics.`{TEST_MACRO_F1}`",
                 "params.`effective_lr`", "params.`world_size`")
 
 
@@ -108,7 +109,7 @@ def runs_view_url(experiment_id: str, host: str = "http://127.0.0.1:5000", chart
 
 def runs_view_tags() -> dict[str, str]:
     """Experiment tags that make the runs view useful at first sight (see VIEW_KEY)."""
-    view = {"selectedColumns": list(VIEW_COLUMNS), "orderByKey": "metrics.`test_accuracy`", "orderByAsc": False}
+    view = {"selectedColumns": list(VIEW_COLUMNS), "orderByKey": f"metrics.`{TEST_ACCURACY}`", "orderByAsc": False}
     return {f"mlflow.sharedViewState.{VIEW_KEY}": json.dumps(view), "mlflow.experimentKind": "custom_model_development"}
 
 

@@ -26,9 +26,10 @@ import numpy as np
 from ddpipe.config.keys import flatten
 from ddpipe.config.load import user_errors
 from ddpipe.config.schema import Config
+from ddpipe.core.metric_names import TEST_ACCURACY, TEST_MACRO_F1
 from ddpipe.tracking.store import bound_http_requests, find_sweep_parent, tracking_uri
 
-METRICS = ("test_accuracy", "test_macro_f1")
+METRICS = (TEST_ACCURACY, TEST_MACRO_F1)
 SEARCH_TAG = "ddpipe.search.best_trial"  # set on a search study's parent run (ddpipe.search.report.log_to_parent)
 
 
@@ -70,7 +71,7 @@ def group_children(children: list[Any]) -> tuple[list[Group], list[str]]:
         for m in METRICS:
             g.values[m].append(child.data.metrics[m])
         g.seeds.append(p.get("seed", "?"))
-    return sorted(groups.values(), key=lambda g: -g.mean_std("test_accuracy")[0]), varying
+    return sorted(groups.values(), key=lambda g: -g.mean_std(TEST_ACCURACY)[0]), varying
 
 
 def table(groups: list[Group], varying: list[str]) -> list[list[str]]:
@@ -137,9 +138,9 @@ def _log_to_parent(client: Any, run_id: str, groups: list[Group], rows: list[lis
             mean, std = g.mean_std(m)
             metrics += [Metric(metric_key(g.label, f"{m}_mean"), mean, 0, 0),
                         Metric(metric_key(g.label, f"{m}_std"), std, 0, 0)]
-    best_mean, best_std = groups[0].mean_std("test_accuracy")
-    metrics += [Metric("best_test_accuracy_mean", best_mean, 0, 0), Metric("best_test_accuracy_std", best_std, 0, 0),
-                Metric("num_configurations", len(groups), 0, 0)]
+    best_mean, best_std = groups[0].mean_std(TEST_ACCURACY)
+    metrics += [Metric(f"best_{TEST_ACCURACY}_mean", best_mean, 0, 0),
+                Metric(f"best_{TEST_ACCURACY}_std", best_std, 0, 0), Metric("num_configurations", len(groups), 0, 0)]
     client.log_batch(run_id, metrics=metrics)
     client.set_tag(run_id, "ddpipe.best_configuration", groups[0].label)
     with tempfile.TemporaryDirectory() as tmp:
@@ -157,7 +158,7 @@ def _plot(groups: list[Group], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    means, stds = zip(*(g.mean_std("test_accuracy") for g in groups))
+    means, stds = zip(*(g.mean_std(TEST_ACCURACY) for g in groups))
     fig, ax = plt.subplots(figsize=(7, 0.5 * len(groups) + 1.5))
     ax.barh(range(len(groups)), means, xerr=stds, capsize=4, color="tab:blue")
     ax.set_yticks(range(len(groups)), [g.label for g in groups], fontsize=8)

@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from ddpipe.config.load import user_errors
+from ddpipe.core.metric_names import TEST_ACCURACY
 from ddpipe.launch import workspace
 from ddpipe.launch.cluster import ClusterError, kubernetes, records, slurm
 from ddpipe.launch.cluster.queue import Queued, exp_ref, git, pin_and_dequeue, queued
@@ -219,7 +220,7 @@ def accuracy(repo: Path, rec: records.Record, res: dict | None) -> str:
 
 
 def table(repo: Path, root: Path, recs: list[records.Record], states: dict[str, str]) -> str:
-    rows = [("experiment", "job", "scheduler", "result", "test_accuracy", "MLflow run", "log")]
+    rows = [("experiment", "job", "scheduler", "result", TEST_ACCURACY, "MLflow run", "log")]
     for r in recs:
         res = records.result(root, r.name)
         rows.append((r.name, r.job, states.get(r.name, "-"), (res or {}).get("state", "-"), accuracy(repo, r, res),
