@@ -44,7 +44,7 @@ from omegaconf import OmegaConf
 from ddpipe.config.load import load_config
 from ddpipe.config.schema import Config
 from ddpipe.core.devices import cpu_count, cpu_supports_bf16
-from ddpipe.launch.torchrun import torchrun_command, train_script
+from ddpipe.launch.torchrun import WORKER_MODULE, torchrun_command
 
 PY = sys.executable
 REFERENCE_LOOP = REPO / "bench" / "reference_loop.py"
@@ -73,7 +73,7 @@ def ddpipe_train(nproc: int | None, prepared: Path, overrides: list[str]) -> Met
             f"paths.prepared={prepared}", f"mlflow.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
             "train.progress_bar=false", *overrides]
         seconds = run_timed(torchrun_command(config(args).distributed, nproc, args) if nproc
-                            else [PY, str(train_script()), *args])
+                            else [PY, "-m", WORKER_MODULE, *args])
         last = read_history(tmp / "history")[-1]
     return {"images_per_s": last["images_per_s"], "epoch_s": last["epoch_seconds"], "wall_s": seconds}
 

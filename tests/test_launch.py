@@ -27,7 +27,7 @@ def test_one_node_command_asks_torchrun_for_a_free_port_and_to_pass_on_the_stop_
     assert "--nproc-per-node=2" in cmd and "--standalone" in cmd and "--max-restarts=0" in cmd
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in cmd
     assert "--shutdown-timeout=60" in cmd
-    assert cmd[-1] == "num_epochs=1" and cmd[-2] == str(ROOT / "stages" / "train_worker.py")
+    assert cmd[-3:] == ["-m", "ddpipe.launch.worker", "num_epochs=1"]  # a module: no file of a checkout
 
 
 def test_multi_node_command_uses_the_c10d_rendezvous() -> None:
@@ -122,3 +122,35 @@ def test_without_a_stop_the_child_exit_code_is_kept() -> None:
 
     assert supervise([sys.executable, "-c", "raise SystemExit(4)"]) == 4
     assert supervise([sys.executable, "-c", "pass"]) == 0
+
+
+@pytest.mark.slow
+def test_a_wheel_installed_outside_the_checkout_trains(tmp_path: Path, prepared: Path) -> None:
+    """The package built as a wheel and installed into a new virtual environment (its dependencies this one's, read
+    through a path: none of this environment's .pth files, the checkout's editable path among them), run from a
+    directory with only a params.yaml: ``python -m ddpipe.launch`` trains an epoch under torchrun, whose workers
+    run the wheel's ddpipe.launch.worker. No file of the checkout is needed."""
+    import sysconfig
+
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"),
+         str(ROOT)], cwd=tmp_path)
+    (wheel,) = (tmp_path / "dist").glob("ddpipe-*.whl")
+    venv = tmp_path / "venv"
+    run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path)
+    (site,) = (venv / "lib").glob("python3*/site-packages")
+    run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site), str(wheel)],
+        cwd=tmp_path)
+    (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    env = {k: v for k, v in subprocess_env().items() if k not in ("PYTHONPATH", "DVC_ROOT")}
+    python = str(venv / "bin" / "python")
+    found = subprocess.run([python, "-c", "import ddpipe, sys; print(ddpipe.__file__); print(sys.path)"],
+                           cwd=elsewhere, env=env, capture_output=True, text=True, check=True).stdout
+    assert found.startswith(str(site / "ddpipe")) and str(ROOT / "src") not in found, found
+    out = tmp_path / "out"
+    trained = subprocess.run([python, "-m", "ddpipe.launch", *args_for(out, prepared, "num_epochs=1")], cwd=elsewhere,
+                             env=env, capture_output=True, text=True, timeout=600)
+    assert trained.returncode == 0, trained.stderr[-4000:]
+    assert "-m ddpipe.launch.worker" in trained.stdout and (out / "model.pt").is_file(), trained.stdout[-2000:]

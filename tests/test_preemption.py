@@ -63,7 +63,7 @@ def _train_workers(launcher: subprocess.Popen, count: int) -> dict[int, psutil.P
         found = {}
         for p in psutil.Process(launcher.pid).children(recursive=True):
             try:
-                if any(a.endswith("train_worker.py") for a in p.cmdline()) and "RANK" in p.environ():
+                if "ddpipe.launch.worker" in p.cmdline() and "RANK" in p.environ():
                     found[int(p.environ()["RANK"])] = p
             except psutil.NoSuchProcess:
                 continue

@@ -8,8 +8,8 @@ never collide), as dvc.yaml's train stage runs it. N nodes: every node runs this
 the same ``distributed.rdzv_endpoint`` (host:port on the first node) and ``distributed.rdzv_id``;
 torchrun's c10d rendezvous assigns node ranks. deploy/ has SLURM and Kubernetes launchers using it.
 
-Run it from the repository root (it reads ./params.yaml, and the workers run this checkout's
-stages/train_worker.py), with the same checkout and prepared data on every node.
+Run it from the repository root (it reads ./params.yaml; the workers run ``ddpipe.launch.worker``, the installed
+package's), with the same checkout and prepared data on every node.
 
 A scheduler's stop (SIGTERM, or SIGUSR1 ahead of a time limit) is passed on to torchrun, which passes
 it to the workers: they stop at a step, rank 0 checkpoints it, and this command exits with 75
@@ -51,15 +51,10 @@ from ddpipe.engine.stage_outputs import anchored_checkpoints, claim_training
 from ddpipe.models.catalog import RENAMED, module_file
 from ddpipe.tracking.access import check_access
 
-PACKAGED_TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "stages" / "train_worker.py"
+# What torchrun starts on every rank: a module of the installed package (an experiment's own library where
+# PYTHONPATH names it: a search trial's, a cluster job's), never a file of a checkout
+WORKER_MODULE = "ddpipe.launch.worker"
 
-
-def train_script() -> Path:
-    """The checkout's stages/train_worker.py: the one in the working directory (a queued DVC experiment runs in a
-    copy of the repo, while an editable install's package path names the main checkout), else the
-    installed package's."""
-    here = Path.cwd() / "stages" / "train_worker.py"
-    return here if here.is_file() else PACKAGED_TRAIN_SCRIPT
 # The c10d rendezvous port of several-node jobs (torchrun's own default); a scheduler's job adds an offset from its
 # id so that jobs sharing a node do not collide (ddpipe.launch.cluster.slurm.rendezvous_endpoint).
 RDZV_PORT = 29400
@@ -69,9 +64,9 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 
 def torchrun_command(d: DistributedConfig, nproc: int, script_args: Sequence[str] = (),
                      script: str | Path | None = None) -> list[str]:
-    """The torchrun argv for this node: ``nproc`` workers of ``script`` (``script_args`` passed to every
-    worker), restarts, stop-signal forwarding and rendezvous from ``d``. The one place a torchrun
-    command is written (dvc.yaml, deploy/, the tests and the benchmarks all come here)."""
+    """The torchrun argv for this node: ``nproc`` workers of :data:`WORKER_MODULE` (or of the file ``script``),
+    ``script_args`` passed to every worker, restarts, stop-signal forwarding and rendezvous from ``d``. The one
+    place a torchrun command is written (dvc.yaml, deploy/, the tests and the benchmarks all come here)."""
     # torchrun as a module of this interpreter: no PATH lookup, never another Python's torchrun
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--max-restarts={d.max_restarts}"]
@@ -88,7 +83,7 @@ def torchrun_command(d: DistributedConfig, nproc: int, script_args: Sequence[str
     else:
         cmd += [f"--nnodes={d.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={d.rdzv_endpoint}",
                 f"--rdzv-id={d.rdzv_id}"]
-    return cmd + [str(script or train_script()), *script_args]
+    return cmd + ([str(script)] if script else ["-m", WORKER_MODULE]) + list(script_args)
 
 
 @functools.cache

@@ -1,0 +1,124 @@
+"""What the device has and how a training computes on it: CPU cores and instruction sets, autocast, loss
+scaling, memory format, pinned copies.
+
+Precision and memory format are chosen once per training by ``ddpipe.engine.resolved`` (from ``train.precision`` /
+``train.channels_last`` and these probes) and recorded with the run (``resolved_precision``, ``channels_last``),
+since they change the float rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+def cpu_count() -> int:
+    """Cores this process may run on (affinity/cgroup aware where the OS says)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_supports_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 autocast is then ~2x faster than fp32 on CPU (BENCHMARKS.md)."""
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(probe and probe()) or cpu_has_amx()
+
+
+def cpu_has_amx() -> bool:
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(amx and amx())
+
+
+# The x86 instructions that multiply uint8 by int8 and add into int32 without an int16 step: AVX512-VNNI, AVX-VNNI,
+# AMX-INT8 (as /proc/cpuinfo names them). Without one, ONNX Runtime's U8S8 kernels use VPMADDUBSW, whose int16 pair
+# sums saturate: an INT8 graph's answers then depend on the data and on which kernel a batch's shape picks.
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux's /proc/cpuinfo lists them; empty where there is no such file."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        return frozenset()
+    for line in cpuinfo.read_text(errors="replace").splitlines():
+        if line.startswith(("flags", "Features")):  # x86 | ARM
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def cpu_int8_kind() -> str:
+    """How this CPU multiplies 8-bit integers: ``x86-vnni`` (VNNI or AMX: exact int32 sums), ``x86-no-vnni`` (AVX2 or
+    AVX-512 without VNNI: int16 pair sums that saturate), or ``other`` (ARM and the rest, whose dot products
+    accumulate in int32). Without /proc/cpuinfo, torch's own probe decides on x86."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86"):
+        return "other"
+    flags = cpu_flags()
+    probe = getattr(torch.cpu, "_is_vnni_supported", None)
+    vnni = any(f in flags for f in VNNI_FLAGS) if flags else bool(probe and probe()) or cpu_has_amx()
+    return "x86-vnni" if vnni else "x86-no-vnni"
+
+
+# cuBLAS's workspace configuration under which its results are deterministic (CUDA's "Results reproducibility")
+CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+
+
+def cuda_kernels(device: torch.device, deterministic: bool) -> None:
+    """How CUDA picks this process's kernels (``train.deterministic``). Deterministic: fixed cuDNN algorithms,
+    ``torch.use_deterministic_algorithms`` (an op with no deterministic kernel raises, naming itself), cuBLAS's
+    deterministic workspace (before its first call in this process) and fp32 kept fp32. Otherwise: cuDNN times its
+    algorithms for each new shape (``cudnn.benchmark``), and fp32 matmuls and convolutions use TF32. Set both ways,
+    since these switches are the process's: a training run in-process after another gets its own. On the CPU
+    nothing changes: its kernels are run-to-run deterministic at a given thread count."""
+    if device.type != "cuda":
+        return
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
+    torch.backends.cudnn.benchmark = not deterministic
+    torch.backends.cudnn.deterministic = deterministic
+    torch.use_deterministic_algorithms(deterministic)
+    fp32 = "ieee" if deterministic else "tf32"
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9
+        torch.backends.cuda.matmul.fp32_precision = fp32
+        torch.backends.cudnn.conv.fp32_precision = fp32
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not deterministic
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """How a training computes on its device: the precision (autocast, loss scaling), the memory format, and
+    host-to-device copies."""
+
+    device: torch.device
+    precision: str  # fp32 | bf16 | fp16, resolved
+    channels_last: bool
+
+    @property
+    def pin_memory(self) -> bool:
+        """Pinned host batches, copied with ``non_blocking=True``: CUDA only."""
+        return self.device.type == "cuda"
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16/fp16 autocast, or nothing for fp32."""
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        """Loss scaling for fp16 (a no-op object otherwise)."""
+        return torch.amp.GradScaler("cuda", enabled=self.precision == "fp16")
+
+    def place(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The module on this device, in this memory format."""
+        module = module.to(self.device)
+        return module.to(memory_format=torch.channels_last) if self.channels_last else module

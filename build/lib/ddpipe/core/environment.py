@@ -1,0 +1,37 @@
+"""The environment variables ddpipe sets for the processes it starts, and reads back in them: every name in one place.
+
+Each is set by one part of ddpipe and read by another part, in a process started below it; a user never sets one.
+"""
+
+# The claim's token on a training's directories (ddpipe.core.claims), passed by whoever took it to the processes that
+# join it: a launcher to its torchrun's workers.
+CLAIM_ENV = "DDPIPE_TRAINING_CLAIM"
+
+# "PID START" of the launcher (its start time, as ddpipe.core.processes.start_time gives it), set by ddpipe.launch
+# for the torchrun it starts: every worker follows it (ddpipe.distributed.preemption).
+LAUNCHER_ENV = "DDPIPE_LAUNCHER"
+
+# In the environment of the workers of a job the launcher checked (ddpipe.launch.torchrun.preflight): they skip those
+# checks.
+CHECKED_ENV = "DDPIPE_LAUNCH_CHECKED"
+
+# Set by a cluster job (ddpipe.launch.cluster.job) for its train stage: "HOST:PORT RDZV_ID [LAUNCHER ...]", the
+# rendezvous of the job's nodes and, under SLURM, the srun that starts the launcher once on each of them.
+NODES_ENV = "DDPIPE_CLUSTER_NODES"
+
+# A cluster job's id and the log a person reads, set by the job for its stages: tags of the run (ddpipe.cluster.job,
+# ddpipe.cluster.log).
+CLUSTER_JOB_ENV, CLUSTER_LOG_ENV = "DDPIPE_CLUSTER_JOB", "DDPIPE_CLUSTER_LOG"
+
+# A Kubernetes job's name, set in its pods' spec (ddpipe.launch.cluster.kubernetes): the job id its stages read.
+K8S_JOB_ENV = "DDPIPE_K8S_JOB"
+
+# The user's repository, set for an experiment that runs in a workspace of its own (a cluster job's, a search trial's):
+# its MLflow store and outbox are the repository's, not the workspace's (ddpipe.tracking.store.repo_root).
+REPO_ROOT_ENV = "DDPIPE_REPO_ROOT"
+
+# A search trial, set by the search's driver for the training it runs (JSON: storage, study, trial (number),
+# trial_id, metric, pruner, startup_trials, checkpoints (the trial's own directory, beside the experiment's
+# workspace), attempt (the driver's count), stage (the one stage a trial runs) and held_out (the evaluate and export
+# stages' tracked files, kept out of its experiment)); read by ddpipe.engine.pruning.
+TRIAL_ENV = "DDPIPE_SEARCH_TRIAL"

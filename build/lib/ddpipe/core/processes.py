@@ -1,0 +1,101 @@
+"""This host's processes: whether one is still alive (and still the one we knew), and a lock that every
+process on the host takes in turn.
+
+A pid alone can be reused once its process is gone, so where it matters the pid travels with its start time
+(:func:`start_time`), which names one process for as long as the host runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot, or None if it is gone or a zombie (Linux's /proc;
+    None everywhere without it)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+SHELLS = frozenset({"sh", "dash", "bash", "zsh", "ksh", "mksh", "fish"})  # between a program and its command
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """The process's name and its parent's pid (Linux's /proc), or None when unknown."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+        return text[text.index("(") + 1:text.rindex(")")], int(text.rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def caller_past_shells() -> int:
+    """The pid of the program that started this process, past any shell in between: a program running a command
+    through ``$SHELL -c`` (DVC does) is this process's parent only where the shell replaces itself with the command
+    (bash, zsh); dash, Debian's ``/bin/sh``, forks it and waits. Without /proc: the parent."""
+    pid = os.getppid()
+    while pid > 1 and (found := _stat(pid)) is not None and found[0] in SHELLS:
+        pid = found[1]
+    return pid
+
+
+def alive(pid: int, started: str | None = None) -> bool:
+    """Whether process ``pid`` runs (a zombie does not), and, given ``started`` (its :func:`start_time`), is
+    still that process rather than a later one with the same pid. Without /proc: whether the pid exists."""
+    if pid <= 0:
+        return False
+    if Path("/proc/self/stat").exists():
+        now = start_time(pid)
+        return now is not None and (started is None or now == started)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def this_process() -> dict[str, str | int]:
+    """This process as a marker file records it: host and pid (see :func:`alive_here`)."""
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def alive_here(marker: dict) -> bool:
+    """Whether the process a marker names (:func:`this_process`) runs on this host."""
+    return marker.get("host") == socket.gethostname() and alive(int(marker.get("pid", 0)))
+
+
+def named_host_lock(kind: str, *names: str, wait: bool = True) -> contextlib.AbstractContextManager[bool]:
+    """:func:`host_lock` on a file in the temporary directory named after ``kind`` and a digest of ``names`` (a store's
+    URI and what in it the lock guards): every process on this host that guards the same thing takes the same lock."""
+    key = hashlib.sha256("|".join(names).encode()).hexdigest()[:16]
+    return host_lock(Path(tempfile.gettempdir()) / f"ddpipe-{kind}-{key}.lock", wait)
+
+
+@contextlib.contextmanager
+def host_lock(path: Path, wait: bool = True) -> Iterator[bool]:
+    """Hold an exclusive lock on ``path`` (created if missing) across every process on this host; yields whether
+    it was taken (``wait=False``: not when another process holds it). Released explicitly, not by closing: a
+    process forked meanwhile (a DataLoader worker) holds a copy of the descriptor, which would keep it held."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -1,0 +1,395 @@
+"""The training loop: epochs of optimizer steps, exact distributed validation, checkpoints and resume.
+
+Launch: ``python -m ddpipe.launch [key=value ...]`` (what dvc.yaml runs: torchrun with this node's
+processes), or ``python stages/train_worker.py`` for one plain process (no process group, no DDP wrapper).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddpipe.core.devices import PrecisionPolicy, cuda_kernels
+from ddpipe.core.exits import Preempted
+from ddpipe.core.ranks import DistInfo
+from ddpipe.distributed import group as dd
+from ddpipe.distributed.batchnorm import CPUSyncBatchNorm
+from ddpipe.distributed.exact import clip_grad_norm_ as exact_clip_grad_norm_
+from ddpipe.distributed.host_leases import HostShare
+from ddpipe.distributed.preemption import StopRequests, follow_launcher
+from ddpipe.engine.assembly import Network, build_network
+from ddpipe.engine.checkpoint import Checkpointer, Position, run_fingerprint
+from ddpipe.engine.ema import WeightAverage
+from ddpipe.engine.meters import EpochMeter, EpochProgress, EpochStats, StepLog, final_metrics, measure_split
+from ddpipe.engine.objective import Objective
+from ddpipe.engine.optimizer import Diverged, Optimization
+from ddpipe.engine.progress import make_progress
+from ddpipe.engine.pruning import after_stop as search_trial_after_stop
+from ddpipe.engine.pruning import after_validation as search_trial_after_validation
+from ddpipe.engine.pruning import validation_number
+from ddpipe.engine.resolved import Resolved
+from ddpipe.engine.selection import ModelSelection
+from ddpipe.engine.stage_outputs import TrainingOutputs, hold_training, save_outputs, write_progress
+from ddpipe.models.nets import global_pools_as_reductions
+from ddpipe.tracking.system_metrics import NoSystemMetrics, monitor_node
+from ddpipe.tracking.tracker import make_tracker
+
+
+class Trainer:
+    """Builds everything from the resolved config, then ``fit()`` trains, validates and checkpoints."""
+
+    def __init__(self, run: Resolved, info: DistInfo, stops: StopRequests | None = None,
+                 share: HostShare | None = None) -> None:
+        cfg, tc = run.cfg, run.cfg.train
+        self.run, self.cfg, self.info, self.device = run, cfg, info, info.device
+        self.stops = stops or StopRequests(info, cfg.distributed.timeout_s)  # asked at every step
+        self.share = share or HostShare(cfg.distributed.threads_per_process, info.processes_on_host, enabled=False)
+        self.compute = run.compute_on(info.device)
+        cuda_kernels(info.device, run.deterministic)
+        network, self.module = placed_network(run, info, self.compute)
+        self.finetune, self.pretrained = network.finetune, network.weights
+        meta = replace(run.meta, mean=network.mean, std=network.std)  # the input the network expects
+        self.num_workers = run.loader_workers(self.share.cores(info.device))
+        self.data = run.training_data(meta, self.compute, rank=info.rank, world_size=info.world_size,
+                                      num_workers=self.num_workers)
+        self.model = wrap(self.module, info, tc.compile)
+        self.objective = Objective(tc, self.data, info.device)
+        self.ema = WeightAverage(self.module, tc.ema_decay) if tc.ema_decay is not None else None
+        self.steps_per_epoch = run.steps_per_epoch(info.world_size)
+        self.step_log = StepLog(tc.log_every_n_steps, self.steps_per_epoch, info)
+        self.optim = Optimization(tc, lambda lr: self.finetune.param_groups(self.module, lr), info.world_size,
+                                  self.steps_per_epoch, cfg.num_epochs, self.compute.grad_scaler(),
+                                  exact_clip_grad_norm_ if cfg.distributed.exact else nn.utils.clip_grad_norm_)
+        self.tracker, self.system = make_tracker(cfg.mlflow, info), NoSystemMetrics()
+        self.selection = ModelSelection(tc)
+        fp = run_fingerprint(run.trajectory(), run.global_batch_size(info.world_size), self.optim.effective_lr,
+                             asdict(meta))
+        self.checkpointer = Checkpointer(cfg.paths.checkpoints, fp, tc.keep_checkpoints, info)
+        self.parts = {"model": self.module, **self.optim.parts(), "selection": self.selection,  # checkpointed
+                      **({"ema": self.ema} if self.ema else {})}
+        self.history: list[EpochStats] = []
+        self.loader_served_validation = False  # a validation inside the epoch (epoch_steps starts the loader again)
+
+    def fit(self) -> dict[str, float]:
+        pos, run_id, progress = self._restore()
+        self._open_run(run_id)
+        self.tracker.log_metrics({"threads_per_process": torch.get_num_threads()},
+                                 step=pos.epoch * self.steps_per_epoch + pos.step)
+        for epoch in range(pos.epoch, self.cfg.num_epochs):
+            resumed = epoch == pos.epoch
+            if signum := self.stops.agreed():  # this position's checkpoint is on disk already
+                raise Preempted(signum, epoch, pos.step if resumed else 0)
+            if self.selection.should_stop(epoch):
+                dd.print0(f"early stopping after epoch {epoch}: no better validation accuracy since epoch "
+                          f"{self.selection.best_epoch} ({self.selection.best_val_accuracy:.4f})", info=self.info)
+                break
+            stats = self.train_epoch(epoch, pos.step if resumed else 0, progress if resumed else EpochProgress())
+            self._end_epoch(stats)
+        return self.finish()
+
+    def train_epoch(self, epoch: int, start_step: int, resumed: EpochProgress) -> EpochStats:
+        """One epoch from ``start_step``; ``resumed``: what a checkpoint recorded of the steps before it."""
+        meter = EpochMeter(self.device, resumed)
+        if self.finetune.set_epoch(self.module, epoch):  # DDP hooks the parameters that need gradients: re-wrap
+            del self.model
+            self.model = wrap(self.module, self.info, self.cfg.train.compile)
+            dd.print0(f"epoch {epoch + 1}: the body is {'frozen' if self.finetune.frozen else 'trained again'} "
+                      f"(train.freeze_body_epochs = {self.cfg.train.freeze_body_epochs})", info=self.info)
+        bar = make_progress(self.info, self.cfg.train.progress_bar, f"epoch {epoch + 1}/{self.cfg.num_epochs}",
+                            self.steps_per_epoch, start_step)
+        self.model.train()
+        self.finetune.freeze_batchnorm(self.module)
+        with contextlib.closing(bar):
+            for step, micro_batches in epoch_steps(self, epoch, start_step):
+                self.train_step(micro_batches, epoch, step, meter)
+                rebalance(self, epoch, step)  # another training started or ended on this host
+                bar.step(step, meter)
+                if step < self.steps_per_epoch:  # the epoch's end validates, checkpoints (and stops) in fit()
+                    between_steps(self, epoch, step, meter)
+        done = meter.total(self.info)
+        stats = EpochStats.from_progress(epoch, done, self.optim.lr, self.validate(),
+                                         self.validate(self.ema) if self.ema else None)
+        dd.print0(stats.summary(self.cfg.num_epochs), info=self.info)
+        return stats
+
+    def train_step(self, micro_batches: list[tuple], epoch: int, step: int, meter: EpochMeter) -> None:
+        """Optimizer step ``step`` (from 1) of ``epoch`` (from 0) over ``grad_accum_steps`` micro-batches; DDP
+        all-reduces the gradients during the last one's backward only (non-finite ones stop every rank here)."""
+        for i, batch in enumerate(micro_batches):
+            self._forward_backward(batch, epoch, meter, sync=i == len(micro_batches) - 1)
+        norm = self.optim.step(self.module.parameters(), (epoch + 1, step))
+        self.step_log.after(epoch, step, meter, self.optim.stepped_lr, norm, self.tracker)
+        if self.ema is not None:
+            self.ema.update(self.module)
+
+    def _forward_backward(self, batch: tuple, epoch: int, meter: EpochMeter, sync: bool) -> None:
+        x, labels, targets = self.objective.inputs(batch, epoch)
+        with contextlib.nullcontext() if sync or not self.info.distributed else self.model.no_sync():
+            with self.compute.autocast():
+                logits = self.model(x)
+                loss = self.objective.loss(logits, labels, targets)
+            self.optim.backward(loss)
+        meter.add(loss, logits, labels)
+
+    def _end_epoch(self, stats: EpochStats) -> None:
+        self.history.append(stats)
+        self.selection.update(stats.epoch, stats.val_accuracy, self.module, self.ema, stats.ema_val_accuracy)
+        # MLflow steps are epochs counted from 1, as in the history DVC plots
+        self.tracker.log_metrics({**stats.logged(), "best_val_accuracy": self.selection.best_val_accuracy},
+                                 step=stats.epoch)
+        so_far = self.selection.exported_epoch(len(self.history), self.ema is not None)  # DVC's view of a running run
+        write_progress(self.cfg, stage_metrics(self, *so_far), self.history, self.info)
+        self._save(Position(stats.epoch, 0))
+        at = validation_number(stats.epoch, 0, self.steps_per_epoch, self.cfg.train.val_every_n_steps,
+                               self.cfg.num_epochs)
+        search_trial_after_validation(stats.logged(), at, self.tracker, self.info)  # a search's: report, maybe prune
+
+    @torch.no_grad()
+    def validate(self, average: WeightAverage | None = None) -> tuple[float, float]:
+        """Loss and accuracy over the whole validation split, each sample counted exactly once; of the weights'
+        moving ``average`` when given."""
+        batches = self.data.eval_batches("val", self.run.eval_batch_size_per_rank)
+        with average.applied(self.module) if average else contextlib.nullcontext(self.module) as module:
+            return measure_split(module, batches, self.data.meta.sizes["val"], self.data.transform, self.info,
+                                  self.compute, self.cfg.model.eval_flips)
+
+    def _save(self, pos: Position, progress: EpochProgress | None = None) -> None:
+        """Checkpoint ``pos``; ``progress``: the epoch's sums and seconds so far, for a mid-epoch one."""
+        self.checkpointer.save(pos, self.parts, history=[asdict(h) for h in self.history],
+                               run_id=self.tracker.run_id or "",
+                               epoch_progress=(progress or EpochProgress()).as_state(),
+                               world_size=self.info.world_size)
+
+    def _restore(self) -> tuple[Position, str | None, EpochProgress]:
+        """Where to start, the MLflow run to reopen, and the interrupted epoch's progress."""
+        found = self.checkpointer.restore(self.parts)
+        if found is None:
+            return Position(0, 0), None, EpochProgress()
+        pos, state = found
+        self.history = [EpochStats(**h) for h in state["history"]]
+        done = pos.epoch >= self.cfg.num_epochs or self.selection.should_stop(pos.epoch)
+        was = int(state["world_size"] or self.info.world_size)  # None: not recorded (checkpoint format 0)
+        dd.print0(resume_note(self.cfg.paths.checkpoints, pos, done, was, self.info.world_size), info=self.info)
+        progress = EpochProgress.from_state(state["epoch_progress"])
+        return pos, state.get("run_id") or None, progress
+
+    def _open_run(self, resume_run_id: str | None) -> None:
+        """Start (or reopen) the MLflow run on rank 0, every rank learning its id (this node's system metrics go
+        into it), and print the training's one-line description."""
+        derived = derived_params(self)
+        run_id = self.tracker.start(self.cfg, {**self.run.params(), **derived}, resume_run_id,
+                                    Path(self.cfg.paths.checkpoints), self.run.model_name)
+        run_id = dd.broadcast_object(run_id, self.info)
+        self.system = monitor_node(self.cfg.mlflow, self.info, run_id, resume_run_id is not None)
+        dd.print0(describe(self.run, self.info, self.compute, self.optim.effective_lr, derived), info=self.info)
+
+    def finish(self) -> dict[str, float]:
+        """Write the run's outputs (rank 0) and close its MLflow run."""
+        weights, exported_epoch, source = self.selection.exported(self.module, len(self.history), self.ema)
+        metrics = stage_metrics(self, exported_epoch, source)
+        seen = replace(self.data.meta, image_size=self.data.eval_size)  # the input the saved model takes
+        save_outputs(self.run, TrainingOutputs(weights, exported_epoch, source, metrics, self.history, seen,
+                                               self.data.examples(4)), self.tracker, self.info)
+        self.system.stop()
+        self.tracker.finish()
+        dd.barrier(self.info)
+        return metrics
+
+
+def placed_network(run: Resolved, info: DistInfo, compute: PrecisionPolicy) -> tuple[Network, nn.Module]:
+    """The run's network and its module on this rank's device, with the same initial weights on every rank. Nothing
+    in training draws from the global RNG after this (augmentation is keyed by seed, epoch and sample, its v2
+    policies under a seeded generator put back after each image; the samplers seed their own generators): a layer
+    that did (Dropout) would draw the same numbers on every rank."""
+    torch.manual_seed(run.cfg.seed)
+    network = build_network(run, info)
+    for line in network.notes:
+        dd.print0(line, info=info)
+    if run.deterministic_kernels(info.device):
+        global_pools_as_reductions(network.module)
+    return network, compute.place(network.module)
+
+
+def epoch_steps(t: Trainer, epoch: int, start_step: int) -> Iterator[tuple[int, list[tuple]]]:
+    """The optimizer steps of ``epoch`` from ``start_step`` on this rank: each one's number (from 1) and its
+    ``grad_accum_steps`` micro-batches (a new shuffle and new shards every epoch; a resumed epoch starts at its step).
+    After a validation inside the epoch the loader starts again at the next step, as a resumed epoch does: its workers
+    served the validation's batches meanwhile, which ends the training's pass over them (one DataLoader serves both)."""
+    accum, step = t.cfg.train.grad_accum_steps, start_step
+    while step < t.steps_per_epoch:
+        first, t.loader_served_validation = step, False
+        for micro_batches in in_steps(t.data.train_batches(epoch, step * accum, t.steps_per_epoch * accum), accum):
+            step += 1
+            yield step, micro_batches
+            if t.loader_served_validation:
+                break
+        if step == first:  # the loader had nothing left (never, with a whole epoch's batches planned)
+            return
+
+
+def between_steps(t: Trainer, epoch: int, step: int, meter: EpochMeter) -> None:
+    """After step ``step`` (from 1) of ``epoch`` (from 0), not the epoch's last: a validation when one is due
+    (``train.val_every_n_steps``; skipped when the ranks agreed to stop, to stop sooner), then a step checkpoint when
+    one is due, after such a validation, or when every rank agreed to stop; then the stop itself, or a search's
+    pruner asked about the validation."""
+    tc, signum = t.cfg.train, t.stops.agreed()
+    values = validate_inside(t, epoch, step) if not signum and tc.val_every_n_steps and \
+        step % tc.val_every_n_steps == 0 else None
+    if signum or values or (tc.checkpoint_every_steps and step % tc.checkpoint_every_steps == 0):
+        t._save(Position(epoch, step), meter.so_far(t.info))
+    if signum:
+        raise Preempted(signum, epoch, step)
+    if values:
+        at = validation_number(epoch + 1, step, t.steps_per_epoch, tc.val_every_n_steps, t.cfg.num_epochs)
+        search_trial_after_validation(values, at, t.tracker, t.info)
+
+
+def validate_inside(t: Trainer, epoch: int, step: int) -> dict[str, float]:
+    """A validation after step ``step`` of ``epoch`` (from 0), inside it: exact over the ranks as an epoch's is (and of
+    the moving average too, with one), said on rank 0 and logged as ``val_loss_step``, ``val_accuracy_step`` (and the
+    ``ema_`` ones) at the global step; the training mode put back (a frozen body's BatchNorm stays frozen). Its
+    figures by the epoch metrics' names. Its time counts in the epoch's seconds."""
+    loss, accuracy = t.validate()
+    t.loader_served_validation = True  # the training's batches start again at the next step (epoch_steps)
+    values = {"val_loss": loss, "val_accuracy": accuracy}
+    if t.ema is not None:
+        values["ema_val_loss"], values["ema_val_accuracy"] = t.validate(t.ema)
+    t.model.train()
+    t.finetune.freeze_batchnorm(t.module)
+    t.tracker.log_metrics({f"{key}_step": value for key, value in values.items()},
+                          step=epoch * t.steps_per_epoch + step)
+    dd.print0(f"epoch {epoch + 1}, step {step}/{t.steps_per_epoch}: val loss {loss:.4f} acc {accuracy:.4f}",
+              info=t.info)
+    return values
+
+
+def rebalance(t: Trainer, epoch: int, step: int) -> None:
+    """After step ``step`` of ``epoch`` (from 0): the threads of this host's trainings shared anew when one started or
+    ended beside this one (ddpipe.distributed.host_leases), said and logged."""
+    if threads := t.share.rebalance():
+        dd.print0(f"threads per process now {threads} from epoch {epoch + 1}, step {step} (trainings sharing this "
+                  "host's cores)", info=t.info)
+        t.tracker.log_metrics({"threads_per_process": threads}, step=epoch * t.steps_per_epoch + step)
+
+
+def stage_metrics(t: Trainer, exported_epoch: int, source: str) -> dict[str, float]:
+    """The train stage's metrics of the epochs so far, the weights of ``exported_epoch`` (raw or ema) exported."""
+    return final_metrics(t.history, t.selection.best_epoch, t.selection.best_val_accuracy, exported_epoch,
+                         t.info.world_size, t.optim.effective_lr, source == "ema")
+
+
+def derived_params(t: Trainer) -> dict[str, Any]:
+    """Values computed from the config and the launch, recorded with the run (MLflow params)."""
+    return {
+        "world_size": t.info.world_size, "effective_lr": t.optim.effective_lr,
+        "global_batch_size": t.run.global_batch_size(t.info.world_size),
+        "steps_per_epoch": t.steps_per_epoch,
+        "device_kind": t.run.device_kind,  # the row of engine.resolved.AUTO_CHOICES that `auto` took
+        "host_sums": t.info.sums if t.info.distributed else "none",
+        "resolved_precision": t.compute.precision, "channels_last": t.compute.channels_last,
+        "deterministic_kernels": t.run.deterministic_kernels(t.device),
+        "num_parameters": sum(p.numel() for p in t.module.parameters()),
+        "threads_per_process_at_start": torch.get_num_threads(),
+        "loader_workers": t.num_workers,  # data.num_workers resolved (engine.resolved.loader_workers)
+        "input_size": "x".join(map(str, t.data.size)),  # what the network sees (data.image_size resolved)
+        **({"weights_source": t.pretrained.source, "weights_sha256": t.pretrained.sha256}
+           if t.pretrained else {}),
+        # the GPUs this training was given (ddpipe.launch leases them: distributed.host_leases.GpuLease)
+        "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "all") if t.device.type == "cuda" else "none",
+    }
+
+
+
+def resume_note(directory: str, pos: Position, done: bool, was: int, now: int) -> str:
+    """What a training that found its checkpoint at ``pos`` (written at world size ``was``) says it does."""
+    if done:
+        return f"{directory}: this run's {pos.epoch} epochs are already trained; writing its outputs"
+    moved = f" (checkpointed at world size {was}, now {now}: the same global batch, so the same samples in every " \
+        "step)" if was != now else ""
+    return f"resuming from {directory} at epoch {pos.epoch + 1}, step {pos.step}{moved}"
+
+
+def describe(run: Resolved, info: DistInfo, compute: PrecisionPolicy, effective_lr: float,
+             derived: dict[str, Any]) -> str:
+    """The training's line at its start: the job, the arithmetic, the batch and the network."""
+    tc, sums = run.cfg.train, " + shared memory" if info.sums == "shared memory" else ""
+    return (f"world size {info.world_size} ({info.num_nodes} node(s), backend {info.backend or 'none'}{sums}, "
+            f"{info.device.type}, {torch.get_num_threads()} thread(s)/process), precision {compute.precision}, "
+            f"effective lr {effective_lr:.6g} ({tc.lr_scaling} scaling of {tc.base_lr:g}), global batch "
+            f"{derived['global_batch_size']}, {derived['steps_per_epoch']} steps/epoch; network {run.model_name} "
+            f"at {derived['input_size']}{' (model.name auto: ' + run.device_kind + ')' if run.model_was_auto else ''}")
+
+
+def in_steps(loader: Iterable[tuple], accum: int) -> Iterator[list[tuple]]:
+    """The loader's micro-batches, ``accum`` at a time: one list per optimizer step."""
+    batches = iter(loader)
+    while step := list(itertools.islice(batches, accum)):
+        yield step
+
+
+def wrap(module: nn.Module, info: DistInfo, compile_model: bool) -> nn.Module:
+    """DDP under a process group (its gradients summed as ``ddpipe.distributed`` sums), then torch.compile if
+    asked."""
+    model = module
+    if info.distributed:
+        # CPUSyncBatchNorm (ExactBatchNorm too) updates its running statistics from sums every rank gets
+        # bit for bit, so they never differ between ranks: DDP's broadcast of them from rank 0 before
+        # every forward (a blocking gloo collective per step) would copy equal bits.
+        own_buffers = [m for m in module.modules() if list(m.buffers(recurse=False))]
+        equal_buffers = all(isinstance(m, CPUSyncBatchNorm) for m in own_buffers)
+        # torch 2.14 names it forward_sync_buffers (and deprecates broadcast_buffers); older torch has only the latter
+        flag = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters \
+            else "broadcast_buffers"
+        model = dd.wrap_ddp(module, info, **{flag: not equal_buffers})
+    return torch.compile(model) if compile_model else model
+
+
+def train(run: Resolved) -> dict[str, float]:
+    """Set up this process, train ``run``, and always tear the process group down. ``run``: the config resolved
+    for this process (the train stage's worker resolves and checks it first:
+    ``ddpipe.launch.torchrun.worker_config``). A training that raises, is interrupted (SIGINT) or preempted
+    (SIGTERM, SIGUSR1: it stops at a step after a checkpoint, see ddpipe.distributed.preemption) closes its MLflow run
+    as FAILED or KILLED, saying why."""
+    cfg = run.cfg
+    follow_launcher(f"rank {os.environ.get('RANK', '0')}")  # a worker whose launcher dies stops as if preempted
+    info = dd.init_distributed(cfg.distributed, run.backend)
+    trainer = claim = None
+    try:
+        claim = hold_training(cfg, info)  # before anything is written: InUse if another training writes here
+        info = dd.open_host_sums(cfg.distributed, info)  # shared memory where distributed.shared_memory allows
+        run.check_world_size(info.world_size)  # the job formed: an epoch has an optimizer step at its size
+        share = HostShare(cfg.distributed.threads_per_process, info.processes_on_host, info.device.type == "cpu")
+        with StopRequests(info, cfg.distributed.timeout_s) as stops, share:
+            trainer = Trainer(run, info, stops, share)
+            return trainer.fit()
+    except BaseException as exc:
+        if isinstance(exc, Diverged) and info.is_main:  # its one line first, before what a stop could cut short
+            print(str(exc), file=sys.stderr, flush=True)
+        if trainer is not None:  # this node's system metrics stop, and the run ends saying why
+            trainer.system.stop()
+            trainer.tracker.end_after(exc)
+        if isinstance(exc, Diverged):  # every rank stopped at this step: none leaves before rank 0 closed the run
+            dd.barrier(info)  # (torchrun stops the group once one rank has left)
+        if isinstance(exc, Preempted):  # a search's trial runs again under its number, from this step
+            search_trial_after_stop(info, str(exc))
+        if isinstance(exc, RuntimeError) and info.distributed and dd.is_timeout(exc):
+            # DistBackendError is a RuntimeError: fail within the bound, naming the silent ranks
+            raise dd.explain_timeout(exc, info, cfg.distributed.timeout_s) from exc
+        raise
+    finally:
+        if trainer is not None:
+            trainer.data.loader.close()
+        if claim is not None:
+            claim.release()
+        dd.cleanup()

@@ -1,0 +1,209 @@
+"""A search's trial inside the training: after each validation, global rank 0 reports the metric to the trial and
+asks its pruner once; the answer reaches every rank through the process group, so all ranks stop at the same
+validation (``ddpipe.core.exits.TrialPruned``), on every node, with no rank left waiting in a collective. The
+pruner's steps are validations counted from 1 over the run (:func:`validation_number`): epochs, unless
+``train.val_every_n_steps`` validates inside them too, so that a hopeless trial stops inside its first epoch.
+
+The training learns its trial from :data:`TRIAL_ENV`, which ``python -m ddpipe.search run`` sets for the
+``dvc exp run`` of each trial (DVC passes its environment to the stage's command, torchrun to every worker). Without
+it a training is no trial and this module does nothing: the experiment is the same as any other. The study's storage
+and pruner are opened here, the one place both the search's driver and the training build them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from ddpipe.core.environment import TRIAL_ENV
+from ddpipe.core.exits import TrialPruned
+from ddpipe.core.ranks import DistInfo
+from ddpipe.distributed import group as dd
+from ddpipe.engine.meters import EpochStats
+
+# A study's database that hangs (a firewall dropping packets, a server stuck): the driver says so naming
+# search.storage, and a training's rank 0 fails with the error instead of every rank waiting out the collective
+# timeout (issue 47)
+CONNECT_TIMEOUT_S = 10
+# The metrics a trial may be judged by: the epoch's own, as EpochStats logs them (the ema_ ones need train.ema_decay)
+EPOCH_METRICS = tuple(f.name for f in dataclasses.fields(EpochStats) if f.name != "epoch")
+
+
+def trial_spec() -> dict[str, Any] | None:
+    """The search's description of the trial this process trains, or None outside a search."""
+    raw = os.environ.get(TRIAL_ENV)
+    return json.loads(raw) if raw else None
+
+
+def trial_config(cfg: Any) -> Any:
+    """``cfg`` as a search's trial trains it: no registered model version (``mlflow.registered_model_name`` None:
+    only the chosen trial, evaluated once after the search, registers one; issue 47), and ``paths.checkpoints`` at
+    the trial's own directory (search/<study>/trial-<n>/checkpoints), which outlives each attempt's workspace: a
+    trial stopped by a signal or with its driver resumes there from its step under the same number. Outside a
+    search, ``cfg`` as it is."""
+    spec = trial_spec()
+    if not spec:
+        return cfg
+    cfg = dataclasses.replace(cfg, mlflow=dataclasses.replace(cfg.mlflow, registered_model_name=None))
+    if not spec.get("checkpoints"):
+        return cfg
+    return dataclasses.replace(cfg, paths=dataclasses.replace(cfg.paths, checkpoints=spec["checkpoints"]))
+
+
+def open_storage(where: str, **rdb_options: Any) -> Any:
+    """The study's Optuna storage: a database URL (``RDBStorage``, with ``rdb_options`` such as heartbeats) or the
+    path of a journal file (``JournalStorage``, which several processes on this host share through a lock file). A
+    database server that accepts the connection and never answers fails after :data:`CONNECT_TIMEOUT_S`."""
+    import optuna
+
+    if "://" in where:
+        # SQLAlchemy before 2.1 opens postgresql:// with psycopg2, which ddpipe does not install; psycopg 3 is what its
+        # server extra installs and MLflow's server uses (postgresql+psycopg://), so a plain URL goes through it
+        if where.startswith("postgresql://") and importlib.util.find_spec("psycopg2") is None:
+            where = "postgresql+psycopg://" + where.removeprefix("postgresql://")
+        if where.split("+")[0].split(":")[0] in ("postgresql", "mysql"):
+            rdb_options["engine_kwargs"] = {"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}}
+        return optuna.storages.RDBStorage(where, **rdb_options)
+    Path(where).parent.mkdir(parents=True, exist_ok=True)
+    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(where))
+
+
+def make_pruner(name: str, startup_trials: int) -> Any:
+    """Optuna's pruner by the name ``search.pruner`` gives it; its steps are validations (:func:`validation_number`),
+    counted from 1."""
+    import optuna
+
+    if name == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=startup_trials, n_warmup_steps=0)
+    if name == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=1, max_resource="auto")
+    return optuna.pruners.NopPruner()
+
+
+class SearchTrial:
+    """The trial this training is, on global rank 0 (the only rank that opens the study); the other ranks hold the
+    description only and learn the decision from rank 0."""
+
+    def __init__(self, spec: dict[str, Any], info: DistInfo) -> None:
+        self.spec, self.info, self.trial = spec, info, None
+        if info.is_main:
+            import optuna
+
+            study = optuna.load_study(study_name=spec["study"], storage=open_storage(spec["storage"]),
+                                      pruner=make_pruner(spec["pruner"], int(spec["startup_trials"])))
+            self.trial = optuna.trial.Trial(study, int(spec["trial_id"]))
+
+    def should_stop(self, values: dict[str, Any], at: Validation, run_id: str | None) -> str:
+        """Report the metric of validation ``at`` (``values``: its figures by metric name) and ask the pruner once
+        (rank 0; not after the run's last validation, which leaves nothing to save); every rank gets rank 0's
+        answer: why to stop, or "" to go on. A study that cannot be reached warns and lets the training go on."""
+        why = ""
+        if self.trial is not None:
+            metric = self.spec["metric"]
+            value = values.get(metric)
+            try:
+                self.trial.set_user_attr("validations_per_epoch", at.per_epoch)  # which reports end an epoch
+                if not at.step:
+                    self.trial.set_user_attr("epochs", at.epoch)
+                if run_id:
+                    self.trial.set_user_attr("mlflow_run", run_id)
+                if value is not None:
+                    self.trial.report(float(value), at.number)
+                    if at.number < at.last and self.trial.should_prune():
+                        self.trial.set_user_attr("pruned_epoch", at.epoch)
+                        if at.step:
+                            self.trial.set_user_attr("pruned_step", at.step)
+                        why = f": {metric} {value:.4f} ({self.spec['pruner']} pruner)"
+            except Exception as exc:  # the study's store is down: the training is worth more than the search
+                warnings.warn(f"search trial {self.spec['trial']}: could not report {at} to the study "
+                              f"({type(exc).__name__}: {exc}); training goes on unpruned", RuntimeWarning,
+                              stacklevel=2)
+        return str(dd.broadcast_object(why, self.info))
+
+
+_TRIALS: dict[int, SearchTrial] = {}  # per process: the trial is opened once, when first needed
+
+
+def _this_trial(info: DistInfo) -> SearchTrial | None:
+    spec = trial_spec()
+    if spec is None:
+        return None
+    if os.getpid() not in _TRIALS:
+        _TRIALS[os.getpid()] = SearchTrial(spec, info)
+    return _TRIALS[os.getpid()]
+
+
+@dataclasses.dataclass(frozen=True)
+class Validation:
+    """Where a validation stands: after step ``step`` (0: the end) of epoch ``epoch`` (counted from 1); ``number``,
+    its count from 1 over the run, the pruner's step; ``last``, the run's last validation's number; ``per_epoch``,
+    an epoch's validations (an epoch's end is a multiple of it)."""
+
+    epoch: int
+    step: int
+    number: int
+    last: int
+    num_epochs: int
+    per_epoch: int
+
+    def __str__(self) -> str:
+        return f"epoch {self.epoch}" + (f", step {self.step}" if self.step else "")
+
+
+def validation_number(epoch: int, step: int, steps_per_epoch: int, every: int, num_epochs: int) -> Validation:
+    """The validation after step ``step`` (0: the epoch's end) of epoch ``epoch`` (from 1): an epoch holds one every
+    ``every`` steps inside it (``train.val_every_n_steps``; 0: none) and its own at its end, so validations are
+    counted in epochs by default and the pruner's steps mean the same in every trial of a study (the key is one of
+    its fixed params)."""
+    inside = (steps_per_epoch - 1) // every if every else 0
+    per_epoch = inside + 1
+    number = (epoch - 1) * per_epoch + (step // every if step else per_epoch)
+    return Validation(epoch, step, number, num_epochs * per_epoch, num_epochs, per_epoch)
+
+
+def after_validation(values: dict[str, Any], at: Validation, tracker: Any, info: DistInfo) -> None:
+    """Called on every rank after each validation and the checkpoint that follows it: in a search's trial, report
+    and maybe stop (raise :class:`TrialPruned` on every rank, after rank 0 logged ``pruned_at_epoch``); else
+    nothing."""
+    if (trial := _this_trial(info)) is None:
+        return
+    if why := trial.should_stop(values, at, tracker.store_id()):  # the store's id once it has the run
+        tracker.log_metrics({"pruned_at_epoch": at.epoch}, step=at.epoch)
+        raise TrialPruned(trial.spec["study"], int(trial.spec["trial"]), at.epoch, at.num_epochs, why, at.step)
+
+
+def epoch_values(frozen: Any) -> list[float]:
+    """A trial's (an Optuna FrozenTrial's) reported values at its epochs' ends: those of the weights it may export (a
+    validation inside an epoch reports to the pruner, never the trial's value)."""
+    per_epoch = int(frozen.user_attrs.get("validations_per_epoch", 1))
+    return [value for number, value in sorted(frozen.intermediate_values.items()) if number % per_epoch == 0]
+
+
+def trial_value(frozen: Any, direction: str) -> float | None:
+    """A trial's value: the best of :func:`epoch_values` (``direction``, the study's), None when it reported none."""
+    values = epoch_values(frozen)
+    return (max(values) if direction == "maximize" else min(values)) if values else None
+
+
+def pruned_at(attrs: dict[str, Any]) -> str:
+    """Where a pruned trial stopped, from its user attrs: "epoch 2" (after it), or "step 40 of epoch 1"."""
+    epoch, step = attrs["pruned_epoch"], attrs.get("pruned_step")
+    return f"step {step} of epoch {epoch}" if step else f"epoch {epoch}"
+
+
+def after_stop(info: DistInfo, where: str) -> None:
+    """A trial's training stopped by a signal (SIGTERM, SIGUSR1, its launcher gone) after its step checkpoint: rank 0
+    tells the study which attempt stopped, so that the driver runs it again under the same number, from that step."""
+    if not info.is_main or trial_spec() is None:
+        return
+    try:
+        trial = _this_trial(info)
+        trial.trial.set_user_attr("stopped", {"attempt": trial.spec.get("attempt", 0), "at": where})
+    except Exception as exc:  # the study's store is down: the driver sees a failed attempt instead
+        warnings.warn(f"search trial: could not tell the study it stopped ({type(exc).__name__}: {exc})",
+                      RuntimeWarning, stacklevel=2)

@@ -1,0 +1,134 @@
+"""What a finished training leaves, the train stage's DVC outputs: the model file (``paths.model``), its
+metrics (``paths.train_metrics``), the per-epoch history DVC plots (``paths.history``) and the MLflow run the
+evaluate stage logs to (``paths.run_info``); then the exported model goes into that run. Written by global
+rank 0 only, each file atomically. The metrics and the history are also rewritten after every validation
+(:func:`write_progress`), for a running training to be watched.
+
+Those outputs' directories and the checkpoints' are claimed by one training at a time (:func:`claim_training`,
+:func:`hold_training`; ddpipe.core.claims): a second training that would write them is refused while the first
+lives. A queued experiment's checkpoints are kept in the user's repository, not in DVC's copy of it
+(:func:`anchored_checkpoints`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import MISSING, asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from ddpipe.config.keys import trajectory
+from ddpipe.config.schema import Config
+from ddpipe.core.claims import Claim
+from ddpipe.core.environment import CLAIM_ENV
+from ddpipe.core.files import atomic_write_json, atomic_write_text
+from ddpipe.core.ranks import DistInfo
+from ddpipe.data.store import Prepared
+from ddpipe.engine.checkpoint import fingerprint
+from ddpipe.engine.meters import EpochStats
+from ddpipe.engine.resolved import Resolved
+from ddpipe.models.saved import save_model
+from ddpipe.tracking.outbox import write_run_info
+from ddpipe.tracking.tracker import Tracker
+
+# The train stage's outputs, by their paths.* key (dvc.yaml's outs of the train stage)
+OUTPUT_KEYS = ("model", "run_info", "train_metrics", "history")
+
+
+# Where a queued experiment's checkpoints go, under paths.checkpoints of the user's repository
+QUEUED_CHECKPOINTS = "queued"
+
+
+def anchored_checkpoints(cfg: Config) -> Config:
+    """``cfg`` with its checkpoints where they outlive DVC's copy of the repository. ``dvc exp run --queue`` (and
+    ``--temp``) runs an experiment in a temporary copy, which DVC removes when the experiment ends, is killed
+    (``dvc queue kill``) or its worker dies, with ``$DVC_ROOT`` naming the user's repository: a relative
+    ``paths.checkpoints`` there would be lost with the copy, and the same experiment queued again would start from
+    epoch 1. Such a run's checkpoints go to ``<the repository>/<paths.checkpoints>/queued/<12 hex digits of its
+    trajectory keys>`` (:func:`ddpipe.config.keys.trajectory`): the same experiment queued again resumes there
+    from its step, and two experiments queued at once never share a directory. A training in the repository
+    itself, or an absolute ``paths.checkpoints``: ``cfg`` as it is."""
+    root, where = os.environ.get("DVC_ROOT"), Path(cfg.paths.checkpoints)
+    if not root or where.is_absolute() or Path.cwd().resolve() == Path(root).resolve():
+        return cfg
+    kept = Path(root).resolve() / where / QUEUED_CHECKPOINTS / fingerprint(trajectory(cfg))
+    return replace(cfg, paths=replace(cfg.paths, checkpoints=str(kept)))
+
+
+def training_places(cfg: Config) -> dict[str, Path]:
+    """The directories a training writes, by the keys that name them: its checkpoints and its outputs'."""
+    paths = cfg.paths
+    return {"paths.checkpoints": Path(paths.checkpoints),
+            **{f"paths.{key}": Path(getattr(paths, key)).parent for key in OUTPUT_KEYS}}
+
+
+def claim_training(cfg: Config, role: str) -> Claim:
+    """A new claim on the training's directories (the launcher's, before torchrun starts), or InUse naming the
+    training that holds them."""
+    return Claim.take(training_places(cfg), role)
+
+
+def hold_training(cfg: Config, info: DistInfo) -> Claim | None:
+    """This worker's hold on its training's directories: it joins the claim its launcher took (:data:`CLAIM_ENV`);
+    started otherwise, global rank 0 takes one (a plain process, a torchrun by hand, a node of a several-node job:
+    their launchers cannot tell which node writes) and the other ranks, which write nothing there, hold none."""
+    if token := os.environ.get(CLAIM_ENV):
+        return Claim.join(training_places(cfg), token, f"rank {info.rank}")
+    return Claim.take(training_places(cfg), "rank 0") if info.is_main else None
+
+
+@dataclass
+class TrainingOutputs:
+    """What a finished training leaves: the exported weights and the run's metrics and history."""
+
+    weights: dict[str, Any]
+    exported_epoch: int
+    exported_weights: str  # raw, or ema (the moving average: ddpipe.engine.ema)
+    metrics: dict[str, float]
+    history: list[EpochStats]
+    data: Prepared  # the input the saved model takes
+    example_images: Any  # a few validation images (uint8, N x C x H x W): the logged model's input example
+
+
+def save_outputs(run: Resolved, outputs: TrainingOutputs, tracker: Tracker, info: DistInfo) -> None:
+    """On global rank 0: write ``paths.model``, the DVC metrics and plots files and ``paths.run_info`` (the run of
+    ``tracker``), then log the model into that run (``mlflow.log_model``). Every other rank: nothing."""
+    if not info.is_main:
+        return
+    cfg, paths = run.cfg, run.cfg.paths
+    save_model(outputs.weights, run.model, asdict(outputs.data), paths.model,
+               extra={"exported_epoch": outputs.exported_epoch, "exported_weights": outputs.exported_weights,
+                      "eval_crop_ratio": run.eval_crop_ratio})
+    atomic_write_json(paths.train_metrics, {"train": outputs.metrics})
+    atomic_write_text(paths.history, history_csv(outputs.history))
+    write_run_info(paths.run_info, tracker.store_id() or "", tracker.uri)
+    tracker.log_metrics({"best_epoch": outputs.metrics["best_epoch"], "exported_epoch": outputs.exported_epoch})
+    if cfg.mlflow.log_model:
+        example = outputs.example_images.numpy()  # as a client has them: uint8, N x H x W for grey
+        tracker.log_model(Path(paths.model), example[:, 0] if example.shape[1] == 1 else example, run.model_name)
+    tracker.print_link()
+
+
+def write_progress(cfg: Config, metrics: dict[str, float], history: list[EpochStats], info: DistInfo) -> None:
+    """After each validation, on global rank 0: ``paths.train_metrics`` and ``paths.history`` with what is known so
+    far, each atomically, so that ``dvc metrics show``, ``dvc plots show`` and the VS Code extension show a running
+    training. The metrics say ``running: true`` (a stopped training leaves them so); :func:`save_outputs` writes the
+    finished training's, without it. A view, not an output: where they cannot be written (DVC's copy of the
+    repository removed under a training it stops, after `dvc queue kill --force`; a full disk) the training says so
+    and goes on, to its stop and its checkpoint."""
+    if not info.is_main:
+        return
+    try:
+        atomic_write_json(cfg.paths.train_metrics, {"train": {**metrics, "running": True}})
+        atomic_write_text(cfg.paths.history, history_csv(history))
+    except OSError as exc:
+        print(f"warning: the running training's {cfg.paths.train_metrics} and {cfg.paths.history} were not written "
+              f"({type(exc).__name__}: {exc}); the training goes on", file=sys.stderr, flush=True)
+
+
+def history_csv(history: list[EpochStats]) -> str:
+    """The per-epoch history as CSV (``paths.history``, DVC's plots)."""
+    keys = [f.name for f in fields(EpochStats)  # the weight average's columns only when it was kept
+            if f.default is MISSING or any(getattr(h, f.name) is not None for h in history)]
+    lines = [",".join(keys)] + [",".join(f"{getattr(h, k):.6g}" for k in keys) for h in history]
+    return "\n".join(lines) + "\n"

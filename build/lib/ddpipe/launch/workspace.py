@@ -1,0 +1,80 @@
+"""An experiment's workspace of its own: a git clone of the user's repository at the experiment's baseline commit,
+with the experiment's changes (a commit whose tree holds them: DVC's stash commit of a queued experiment, or ``git
+stash create`` of the user's working tree) in its working tree, DVC's cache shared with the user's.
+
+``dvc exp run --name NAME`` there runs with its own repository lock, its own ``params.yaml`` and its own DVC stash:
+nothing it does can be taken by, or take, another experiment running beside it (``dvc exp run --temp`` runs share
+one stash in the user's repository, and a run takes whichever entry is first in it). Its experiment ref then goes
+back to the user's repository (:func:`send_back`); its outputs are in the shared cache already.
+
+Used by a cluster job (:mod:`ddpipe.launch.cluster.job`) and by the search's trials on this host.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+# Runs a command in a directory; returns its exit code, and raises when ``check`` and it failed
+Shell = Callable[..., int]
+# The commit that ``git stash create`` writes needs a name: the user's git may have none configured
+ANONYMOUS = ["-c", "user.name=ddpipe", "-c", "user.email=ddpipe@localhost"]
+
+
+def quiet_shell(cmd: list[str], cwd: Path, env: dict | None = None, check: bool = True) -> int:
+    """A :data:`Shell` that prints nothing; a failure raises with the command's stderr."""
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode} in {cwd}: {done.stderr.strip()[-500:]}")
+    return done.returncode
+
+
+def working_tree(repo: Path) -> tuple[str, str]:
+    """``repo``'s HEAD commit and, when its tracked files (or its index) differ from HEAD, a commit holding them
+    (``git stash create``: nothing of ``repo`` changes, no stash entry is made); else ``""``. Untracked files are not
+    in it, as they are not in ``dvc exp run --temp`` or ``--queue``."""
+    said = [subprocess.run(["git", *ANONYMOUS, *args], cwd=repo, capture_output=True, text=True, check=True).stdout
+            for args in (["rev-parse", "HEAD"], ["stash", "create"])]
+    return said[0].strip(), said[1].strip()
+
+
+def has_commit(repo: Path, rev: str) -> bool:
+    return subprocess.run(["git", "cat-file", "-e", f"{rev}^{{commit}}"], cwd=repo, capture_output=True).returncode == 0
+
+
+def make(ws: Path, source: str, baseline: str, changes: str = "", fetch: str = "", cache: str = "",
+         sh: Shell = quiet_shell) -> None:
+    """The workspace at ``ws`` (made whole or not at all: in ``ws.partial`` first): ``source`` cloned (``--shared``
+    when it is a directory: its objects are not copied), ``fetch`` (a ref) fetched from it, ``baseline`` checked out,
+    ``changes``' tree in the working tree with the index back at ``baseline`` (DVC sees them as the workspace's
+    changes, as in the repository they come from); ``cache``: the DVC cache directory to share (outputs linked, not
+    copied)."""
+    partial = ws.with_name(ws.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    shared = ["--shared"] if Path(source).is_dir() else []
+    sh(["git", "clone", "--quiet", "--no-checkout", *shared, source, str(partial)], cwd=partial.parent)
+    if fetch:
+        sh(["git", "fetch", "--quiet", source, f"+{fetch}:{fetch}"], cwd=partial)
+    sh(["git", "checkout", "--quiet", "--detach", baseline], cwd=partial)
+    if changes:
+        sh(["git", "read-tree", "--reset", "-u", changes], cwd=partial)
+        sh(["git", "reset", "--quiet"], cwd=partial)
+    if cache:
+        sh(["dvc", "cache", "dir", "--local", cache], cwd=partial)
+        sh(["dvc", "config", "--local", "cache.type", "hardlink,symlink,copy"], cwd=partial)
+    partial.rename(ws)
+
+
+def cache_dir(repo: Path) -> str:
+    """The DVC cache directory of ``repo`` (as its config says, else ``.dvc/cache``)."""
+    said = subprocess.run(["dvc", "cache", "dir"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    return said or str(repo / ".dvc" / "cache")
+
+
+def send_back(ws: Path, repo: str, ref: str, sh: Shell = quiet_shell) -> bool:
+    """Experiment ref ``ref`` of the workspace into ``repo`` (its outputs are in the shared cache); False when git
+    refused."""
+    return sh(["git", "push", "--quiet", repo, f"+{ref}:{ref}"], cwd=ws, check=False) == 0

@@ -1,0 +1,164 @@
+"""``python -m ddpipe.search remove [--keep N] [--dry-run]``: the DVC experiments of a study's trials removed, all but
+those of the best N completed trials, so that ``dvc exp show`` stays quick however many trials the study ran.
+
+A trial's experiment is the git ref ``refs/exps/<xx>/<baseline>/<study>-<number>`` (one per baseline it was saved
+under). Removed: the experiments of every finished trial that is not among the best ``N`` completed ones (a trial that
+failed after its experiment was saved included), with ``dvc exp remove`` given many refs per call (DVC's start costs
+about a second each time). Left alone: a RUNNING or WAITING trial's experiment (the next ``run`` records a trial whose
+driver died from its experiment) and an experiment whose number is no trial of this study. The study keeps every
+trial; it records which trials' experiments were removed (its user attr :data:`REMOVED`), which ``status`` shows.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddpipe.config.schema import ConfigError
+from ddpipe.search.driver import experiment_name
+from ddpipe.search.study import SearchError
+
+KEEP = 10  # the best completed trials whose experiments stay, unless --keep says otherwise
+BATCH = 200  # refs per `dvc exp remove`: 200 refs of ~70 characters are far below any command line's limit
+REMOVED = "experiments_removed"  # the study's user attr: the trials whose experiments `remove` removed
+KEEP_ACCEPTED = "an integer >= 0: the best completed trials whose DVC experiments stay (0: remove them all)"
+
+
+@dataclass(frozen=True)
+class Removal:
+    """What ``remove`` was asked: keep the experiments of the best ``keep`` completed trials; only list (dry run)."""
+
+    keep: int = KEEP
+    dry_run: bool = False
+
+
+@dataclass
+class Selection:
+    """A study's experiments in this repository, sorted out: trial number -> its refs, for each kind."""
+
+    kept: dict[int, list[str]]
+    removed: dict[int, list[str]]
+    left: dict[int, str]  # trial number -> why its experiment is left alone
+
+
+def options(argv: list[str]) -> tuple[Removal, list[str]]:
+    """``--keep N`` (or ``--keep=N``) and ``--dry-run`` taken out of ``argv``: (what they ask, the other arguments).
+    A bad N is a ConfigError naming the option, its value and what is accepted."""
+    keep, dry_run, rest = KEEP, False, []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--dry-run":
+            dry_run = True
+        elif arg == "--keep" or arg.startswith("--keep="):
+            keep = _count(arg.partition("=")[2] if "=" in arg else next(args, None))
+        else:
+            rest.append(arg)
+    return Removal(keep, dry_run), rest
+
+
+def _count(text: str | None) -> int:
+    if text is None:
+        raise ConfigError(f"--keep without a value is not accepted; expected {KEEP_ACCEPTED}")
+    if not text.isascii() or not text.isdigit():
+        raise ConfigError(f"--keep = {text!r} is not accepted; expected {KEEP_ACCEPTED}")
+    return int(text)
+
+
+def trial_experiments(root: Path, study: str) -> dict[int, list[str]]:
+    """The DVC experiments named after ``study``'s trials in the repository at ``root``: trial number -> refs."""
+    listed = subprocess.run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], cwd=root, text=True,
+                            capture_output=True)
+    if listed.returncode != 0:
+        raise SearchError(f"git for-each-ref refs/exps failed in {root}: {_tail(listed.stderr)}")
+    found: dict[int, list[str]] = {}
+    for ref in listed.stdout.split():
+        name = ref.rsplit("/", 1)[-1]
+        number = name.removeprefix(f"{study}-")
+        # refs/exps/<xx>/<baseline>/<name>; the name read back by the driver's own rule (no lr-07 for trial 7)
+        if ref.count("/") >= 4 and number.isdigit() and experiment_name(study, int(number)) == name:
+            found.setdefault(int(number), []).append(ref)
+    return found
+
+
+def ranked(study: Any) -> list[Any]:
+    """The completed trials, best first; equal values in trial order, so the first is Optuna's ``best_trial``."""
+    from optuna.trial import TrialState
+
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    return sorted(done, key=lambda t: t.value, reverse=study.direction.name == "MAXIMIZE")  # sorted() is stable
+
+
+def select(study: Any, experiments: dict[int, list[str]], keep: int) -> Selection:
+    """Which of ``experiments`` stay (the best ``keep`` completed trials'), go (other finished trials'), or are left
+    alone (a trial still running or waiting, a number that is no trial of the study)."""
+    best = {t.number for t in ranked(study)[:keep]}
+    states = {t.number: t.state.name for t in study.get_trials(deepcopy=False)}
+    selection = Selection({}, {}, {})
+    for number, refs in sorted(experiments.items()):
+        if number in best:
+            selection.kept[number] = refs
+        elif number not in states:
+            selection.left[number] = f"no trial {number} in study {study.study_name}"
+        elif states[number] in ("RUNNING", "WAITING"):
+            selection.left[number] = f"trial {number} is {states[number]}"
+        else:
+            selection.removed[number] = refs
+    return selection
+
+
+def remove(study: Any, root: Path, removal: Removal) -> str:
+    """Remove the experiments ``select`` picks (unless a dry run), recording each batch's trials in the study;
+    returns what was done, for the user."""
+    name = study.study_name
+    selection = select(study, trial_experiments(root, name), removal.keep)
+    lines = [f"left alone: {experiment_name(name, n)} ({why})" for n, why in selection.left.items()]
+    kept = ", ".join(experiment_name(name, n) for n in selection.kept) or "none"
+    removed = [experiment_name(name, n) for n in selection.removed]
+    if removal.dry_run:
+        lines.append(f"search {name}: would remove {len(removed)} DVC experiment(s) (dry run: nothing removed): "
+                     f"{', '.join(removed) or 'none'}")
+    else:
+        calls = 0
+        numbers = list(selection.removed)
+        for start in range(0, len(numbers), BATCH):
+            batch = numbers[start:start + BATCH]
+            _dvc_remove(root, [ref for n in batch for ref in selection.removed[n]])
+            calls += 1
+            study.set_user_attr(REMOVED, sorted({*study.user_attrs.get(REMOVED, ()), *batch}))
+        lines.append(f"search {name}: removed {len(removed)} DVC experiment(s) in {calls} call(s) of dvc exp remove: "
+                     f"{', '.join(removed) or 'none'}")
+    lines.append(f"kept {len(selection.kept)} (the best {removal.keep} completed trials'): {kept}")
+    return "\n".join(lines) + "\n"
+
+
+def apply_best(best: dict[str, Any], root: Path) -> int:
+    """``best --apply``: the chosen trial evaluated once, ``dvc exp apply`` of its DVC experiment then ``dvc repro``
+    in ``root`` (its train stage is up to date; evaluate and export run, on the test split for the first time in the
+    search, and with ``mlflow.registered_model_name`` set its one version is registered and the alias moves as after
+    any training). Returns the first non-zero exit code, else 0; SearchError when ``remove`` removed the experiment."""
+    if not best["experiment"]:
+        raise SearchError(f"trial {best['number']}'s DVC experiment was removed (python -m ddpipe.search remove): "
+                          "nothing to apply; run its params again with dvc exp run -S ...")
+    for cmd in (["dvc", "exp", "apply", best["experiment"]], ["dvc", "repro"]):
+        print(f"$ {' '.join(cmd)}", flush=True)
+        if code := subprocess.run(cmd, cwd=root, stdin=subprocess.DEVNULL).returncode:
+            print(f"{' '.join(cmd)} exited {code}", flush=True)
+            return code
+    return 0
+
+
+def _dvc_remove(root: Path, refs: list[str]) -> None:
+    """``dvc exp remove`` of ``refs`` (full refs: a name saved under two baselines is no ambiguity)."""
+    done = subprocess.run(["dvc", "exp", "remove", *refs], cwd=root, text=True, capture_output=True,
+                          stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise SearchError(f"dvc exp remove of {len(refs)} experiment(s) exited {done.returncode}: "
+                          f"{_tail(done.stderr or done.stdout)}")
+
+
+def _tail(text: str, limit: int = 500) -> str:
+    """The last line a command printed (its error), cut to ``limit`` characters."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:limit] if lines else "(no output)"
