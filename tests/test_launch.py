@@ -130,10 +130,15 @@ def test_a_wheel_installed_outside_the_checkout_trains(tmp_path: Path, prepared:
     through a path: none of this environment's .pth files, the checkout's editable path among them), run from a
     directory with only a params.yaml: ``python -m ddpipe.launch`` trains an epoch under torchrun, whose workers
     run the wheel's ddpipe.launch.worker. No file of the checkout is needed."""
+    import shutil
     import sysconfig
 
+    source = tmp_path / "source"  # a copy: the build writes its build/ and egg-info beside the sources
+    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"),
-         str(ROOT)], cwd=tmp_path)
+         str(source)], cwd=tmp_path)
     (wheel,) = (tmp_path / "dist").glob("ddpipe-*.whl")
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path)
