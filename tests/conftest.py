@@ -379,9 +379,10 @@ def kill_all(marker: str) -> None:
             pass
 
 
-def torchrun(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
+def torchrun(nproc: int, *args: str, max_restarts: int = 0, shutdown_timeout_s: int = 60) -> list[str]:
     """The train stage's torchrun command (one node, ``nproc`` workers), from ddpipe.launch's builder."""
-    return torchrun_command(DistributedConfig(max_restarts=max_restarts), nproc, args)
+    return torchrun_command(DistributedConfig(max_restarts=max_restarts, shutdown_timeout_s=shutdown_timeout_s),
+                            nproc, args)
 
 
 def prune_a_two_process_trial(tmp: Path, prepared: Path, storage: str, study_name: str,

@@ -151,7 +151,8 @@ def test_a_network_of_ones_own_trains_evaluates_and_is_served_from_another_direc
     repo.mkdir()
     (repo / "mynets.py").write_text(OWN_NET)
     shutil.copy(ROOT / "params.yaml", repo / "params.yaml")
-    args = args_for(tmp_path, prepared, "num_epochs=1", "model.name=mynets:TinyNet", "model.kwargs.hidden=6")
+    args = args_for(tmp_path, prepared, "num_epochs=1", "model.name=mynets:TinyNet", "model.kwargs.hidden=6",
+                    "mlflow.log_model=true")
     trained = run(["python", str(ROOT / "stages" / "train_worker.py"), *args], cwd=repo)
     assert "network mynets:TinyNet at 28x28" in trained.stdout
     evaluated = run(["python", str(ROOT / "stages" / "evaluate.py"), *args], cwd=repo)
