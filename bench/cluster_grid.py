@@ -1,5 +1,5 @@
 """A 2 x 2 grid queued with `dvc exp run --queue`, run two ways on this host: `dvc queue start -j 2`, and
-`python -m ddpipe.cluster submit --max-running 2` on a throwaway two-node SLURM cluster (tests/slurm_cluster.py,
+`ddpipe cluster submit --max-running 2` on a throwaway two-node SLURM cluster (tests/slurm_cluster.py,
 both nodes on this host); the wall time of each, and per SLURM job what it adds before `dvc exp run` starts.
 
     python bench/cluster_grid.py [--samples 4096] [--epochs 1]      # as root, with slurm-wlm and munge installed
@@ -85,8 +85,8 @@ def on_slurm(repo: Path, scratch: Path) -> tuple[float, list[float]]:
     with SlurmCluster(scratch / "slurm", nodes=2) as cluster:
         env = {"SLURM_CONF": str(cluster.conf)}
         t0 = time.time()
-        sh([sys.executable, "-m", "ddpipe.cluster", "submit", "--max-running", "2"], repo, env)
-        sh([sys.executable, "-m", "ddpipe.cluster", "wait", "--poll", "1"], repo, env)
+        sh([sys.executable, "-m", "ddpipe", "cluster", "submit", "--max-running", "2"], repo, env)
+        sh([sys.executable, "-m", "ddpipe", "cluster", "wait", "--poll", "1"], repo, env)
         wall = time.time() - t0
     overheads = []
     for rec in (repo / ".dvc" / "tmp" / "cluster" / "experiments").glob("*.json"):
@@ -111,7 +111,7 @@ def main() -> None:
         local_s = local(repo)
         slurm_s, overheads = on_slurm(repo, scratch)
     rows = [["`dvc queue start -j 2`", f"{local_s:.1f}", "-"],
-            ["`python -m ddpipe.cluster submit --max-running 2` + `wait` (SLURM, 2 nodes on this host)",
+            ["`ddpipe cluster submit --max-running 2` + `wait` (SLURM, 2 nodes on this host)",
              f"{slurm_s:.1f}", ", ".join(f"{o:.0f}" for o in overheads)]]
     print(f"2 x 2 grid, {args.samples} training images, {args.epochs} epoch(s), two experiments at a time\n")
     print(markdown_table(["how", "wall s (4 experiments)", "submit -> `dvc exp run` starts, per job (s)"], rows))

@@ -8,7 +8,7 @@ A clone of this checkout (its tracked and unignored files, a fresh git repo, thi
 COMMON (a few thousand training images, a few epochs, one thread per training, 2 trials at once), reproduced once.
 For each seed (``seed`` in params.yaml: the sampler's seed, and the data split's and the training's) the data is
 prepared and committed, then the two studies run (a study already in the clone is continued: finished, it runs
-nothing), one after the other, with ``python -m ddpipe.search run``.
+nothing), one after the other, with ``ddpipe search run``.
 
 Per study: epochs trained (deterministic: what pruning saved, whatever the host's load), train-seconds (the
 ``epoch_seconds`` MLflow holds for every epoch of every trial: the training loops, not validation or start-up),

@@ -1,5 +1,5 @@
 """A study of 100 real trials, and what its DVC experiments cost `dvc exp show`: the wall seconds of each form of the
-command at 0, 25, 50 and 100 experiments and after `python -m ddpipe.search remove --keep 10`; the seconds per
+command at 0, 25, 50 and 100 experiments and after `ddpipe search remove --keep 10`; the seconds per
 trial of the study itself; and MLflow's runs search over the study's runs (what the runs table in `mlflow ui` loads).
 
     python bench/search_scale.py [--clone /tmp/scale-clone] [--steps 25,50,100] [--keep 10] [--reps 3]
@@ -7,7 +7,7 @@ trial of the study itself; and MLflow's runs search over the study's runs (what 
 A clone of this checkout (its tracked and unignored files, a fresh git repo, this checkout's code: PYTHONPATH is the
 clone's src/), its params shrunk so that a trial costs little (256 training images, 1 epoch, width 4, no model
 logged), reproduced once and committed; then one study (`search.jobs=2`, no pruner, `train.base_lr` searched) run
-with `python -m ddpipe.search run search.trials=25`, then 50, then 100: the same study continued, each run timed.
+with `ddpipe search run search.trials=25`, then 50, then 100: the same study continued, each run timed.
 Each `dvc exp show` form runs ``--reps`` times after each step (the median; the first run of the default form is
 the first look after the step, its exp cache not yet filled). The clone is kept (its mlflow.db for `mlflow ui`);
 given an existing clone, the script continues its study. Prints the machine and Markdown tables; appends to
@@ -137,7 +137,7 @@ def main() -> None:
         out, seconds = sh(["python", "-m", "ddpipe.search", "run", f"search.trials={step}"], clone)
         states = re.search(r"search \S+ \(\w+\): (.*)", out)
         new = step - before
-        study_rows.append([f"`python -m ddpipe.search run search.trials={step}`", new, f"{seconds:.0f}",
+        study_rows.append([f"`ddpipe search run search.trials={step}`", new, f"{seconds:.0f}",
                            f"{seconds / max(new, 1):.1f}", states[1] if states else "?"])
         records.append({"point": f"study run to {step}", "new_trials": new, "seconds": seconds,
                         "states": states[1] if states else None})
@@ -160,7 +160,7 @@ def main() -> None:
     rows += [["first run of the default", *(f"{r['exp_show_s']['default'][0]:.2f}" for r in points)],
              ["experiments listed (--csv rows)", *(str(r["rows_shown"]) for r in points)]]
     print(markdown_table(["form", *(f"{r['point']} ({r['experiments']} exps)" for r in points)], rows))
-    print(f"\n`python -m ddpipe.search remove --keep {args.keep}`: {seconds:.1f} s; MLflow runs/search "
+    print(f"\n`ddpipe search remove --keep {args.keep}`: {seconds:.1f} s; MLflow runs/search "
           f"(max_results 1000): {count} runs; first {api[0]:.2f} s, then {shown(api[1:])} s")
     append_jsonl("search_scale", records)
 

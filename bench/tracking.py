@@ -7,7 +7,7 @@
    now, ``MlflowTracker.log_metrics`` (one line appended to the run's journal; the courier sends it).
 2. A 2-epoch training (Fashion-MNIST, 2,048 images) with its store answering, and with the store down for the
    whole training (``http://127.0.0.1:9``): wall seconds of ``python stages/train_worker.py``, and how long the
-   delivery takes afterwards (``python -m ddpipe.outbox deliver``).
+   delivery takes afterwards (``ddpipe outbox deliver``).
 3. ``--steps N``: instead, what the per-step figures cost params.yaml's training on this CPU (one plain process,
    the repository's data/prepared): an optimizer step's wall ms, the non-finite check every step pays (the global
    gradient norm and its host sync) and one step record (``train.log_every_n_steps``: the meter's sums, one journal
@@ -150,9 +150,9 @@ def main() -> None:
             seconds = run_timed(cmd, env=clean_env(MLFLOW_TRACKING_URI=uri))
             outage.append([label, f"{seconds:.1f}"])
         d = tmp / "store-down-all-along"
-        seconds = run_timed(["python", "-m", "ddpipe.outbox", "deliver", f"mlflow.outbox={d}/outbox"],
+        seconds = run_timed(["python", "-m", "ddpipe", "outbox", "deliver", f"mlflow.outbox={d}/outbox"],
                            env=clean_env(MLFLOW_TRACKING_URI=f"sqlite:///{tmp}/later.db"))
-        outage.append(["then: python -m ddpipe.outbox deliver", f"{seconds:.1f}"])
+        outage.append(["then: ddpipe outbox deliver", f"{seconds:.1f}"])
         print(markdown_table(["2-epoch training", "wall seconds"], outage))
 
 

@@ -12,7 +12,7 @@
   directory it initialises (owned by the ``postgres`` user when run as root, which PostgreSQL refuses to run as),
   listening on 127.0.0.1 only (unless ``--pg-listen``), with a role ``mlflow`` whose random password is kept in
   ``<dir>/secrets`` (0600) and two databases, ``mlflow`` (runs, models) and ``mlflow_auth`` (users, permissions);
-- the search's study database (``python -m ddpipe.search``, docs/search.md): a role ``search`` with a random
+- the search's study database (``ddpipe search``, docs/search.md): a role ``search`` with a random
   password of its own in ``<dir>/secrets/postgres-search-password`` and a database ``search`` owned by it. ``start``
   and ``status`` print the ``search.storage`` URL for params.yaml, without the password, which the search's driver
   and its trainings get from ``PGPASSWORD`` or ``~/.pgpass`` (libpq reads either when a URL has none). Trials on
@@ -48,7 +48,7 @@ import urllib.request
 from pathlib import Path
 
 from ddpipe.core.processes import alive
-from ddpipe.tracking.store import redact
+from ddpipe.tracking.run_store import redact
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 SEARCH, SEARCH_SECRET = "search", "postgres-search-password"  # the search's role and database; its password's file

@@ -1,4 +1,4 @@
-"""DVC's queue on a cluster (`python -m ddpipe.cluster`), for real: experiments queued with `dvc exp run --queue`
+"""DVC's queue on a cluster (`ddpipe cluster`), for real: experiments queued with `dvc exp run --queue`
 in a clone, submitted to the throwaway two-node SLURM cluster of slurm_cluster.py, back as DVC experiments and
 MLflow runs; one requeued mid-training, one failing; the mistakes refused before anything is submitted; the
 Kubernetes manifests validated offline. And "reproduce any past experiment" through a real SSH remote (Debian's
@@ -34,7 +34,7 @@ from tests.conftest import (
 )
 from tests.slurm_cluster import SlurmCluster, unavailable
 
-CLUSTER = "python -m ddpipe.cluster".split()
+CLUSTER = "ddpipe cluster".split()
 # Every experiment single-threaded (the same arithmetic wherever it runs), 16 steps an epoch; one that is stopped
 # mid-epoch takes STEPPED's 128 steps an epoch, a checkpoint every 2, so that the stop finds it training
 SMALL = {"train.batch_size_per_rank": 64, "distributed.nproc_per_node": 1, "distributed.threads_per_process": 1,
@@ -237,7 +237,7 @@ def test_a_queued_grid_runs_on_slurm_and_comes_back_as_dvc_experiments_and_one_m
 @slurm_only
 def test_a_search_on_slurm_runs_each_trial_as_a_job_of_its_own_resources_and_prunes(
         cluster: SlurmCluster, repro_clone: Path) -> None:
-    """python -m ddpipe.search run --cluster: 4 trials, 2 jobs at once, the first on 2 nodes, the third with a
+    """ddpipe search run --cluster: 4 trials, 2 jobs at once, the first on 2 nodes, the third with a
     learning rate that cannot learn (pruned after epoch 1 of 2 on its node); every completed trial back as a DVC
     experiment, the study ending with exactly 4 finished trials and none running."""
     import optuna

@@ -313,7 +313,7 @@ def test_stage_scripts_fail_before_work_naming_the_key(tmp_path: Path, stage: st
 
 
 def test_config_module_prints_schema_and_resolved_config() -> None:
-    out = run(["python", "-m", "ddpipe.config", "num_epochs=3"], cwd=ROOT).stdout
+    out = run(["ddpipe", "config", "num_epochs=3"], cwd=ROOT).stdout  # as python -m ddpipe.config
     assert "num_epochs: 3" in out
     assert "| `data.val_fraction` |" in run(["python", "-m", "ddpipe.config", "--schema"]).stdout
     assert run(["python", "-m", "ddpipe.config", "--docs"], cwd=ROOT).stdout == parameters_page(ROOT / "dvc.yaml")

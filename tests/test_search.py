@@ -112,7 +112,7 @@ def test_a_key_outside_the_search_section_is_refused_on_the_command_line(tmp_pat
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """`run num_epochs=20` would reach the driver, not the trials (their params are params.yaml's): exit 2 naming
     it, nothing written."""
-    from ddpipe.search.cli import main
+    from ddpipe.search.study_commands import main
 
     monkeypatch.setenv(REPO_ROOT_ENV, str(tmp_path))
     with pytest.raises(SystemExit) as exits:
@@ -125,7 +125,7 @@ def test_a_key_outside_the_search_section_is_refused_on_the_command_line(tmp_pat
 def test_a_storage_that_does_not_answer_fails_before_any_trial(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The command exits 2 naming search.storage; nothing was written (no study, no folder)."""
-    from ddpipe.search.cli import main
+    from ddpipe.search.study_commands import main
 
     monkeypatch.setenv(REPO_ROOT_ENV, str(tmp_path))
     for storage in ("postgresql+psycopg://nobody@127.0.0.1:9/optuna", f"sqlite:///{tmp_path}/no/such/dir/s.db"):
@@ -147,7 +147,7 @@ def test_a_database_that_hangs_fails_in_seconds_naming_the_storage(tmp_path: Pat
     import time
 
     from ddpipe.engine import pruning
-    from ddpipe.search.cli import main
+    from ddpipe.search.study_commands import main
 
     monkeypatch.setenv(REPO_ROOT_ENV, str(tmp_path))
     monkeypatch.setattr(pruning, "CONNECT_TIMEOUT_S", 2)
@@ -454,7 +454,7 @@ def test_remove_keeps_the_best_trials_experiments_and_leaves_the_study_whole(
     """``remove --keep 1`` leaves the best trial's experiment, a running trial's and those that are no trial of the
     study; a bad --keep removes nothing (exit 2, naming it); --dry-run lists without removing; the study keeps every
     trial, ``status`` says which experiments went, and ``best`` names the kept one, or none after --keep 0."""
-    from ddpipe.search.cli import main
+    from ddpipe.search.study_commands import main
     from tests.conftest import VENV_BIN
 
     repo = tmp_path / "repo"

@@ -335,8 +335,8 @@ def test_a_wrong_search_database_password_fails_before_anything_is_made(
     """PGPASSWORD wrong: a ConfigError naming search.storage, its URL without the user or any password, why, and what
     is accepted; the command exits 2 with it before any trial, and neither a folder nor a study is made."""
     from ddpipe.engine.pruning import open_storage
-    from ddpipe.search.cli import main
     from ddpipe.search.study import open_study
+    from ddpipe.search.study_commands import main
 
     wrong = "not-the-search-password-0123"
     monkeypatch.setenv("PGPASSWORD", wrong)

@@ -65,7 +65,7 @@ def test_a_searchs_study_is_refused_saying_its_trials_are_never_tested(tmp_path:
 def test_a_queued_grid_is_one_parent_with_its_children_and_a_summary(repro_clone: Path) -> None:
     """`dvc exp run --queue -S mlflow.sweep=grid -S 'train.base_lr=...,...' -S 'seed=1,2'` queues 4
     experiments; `dvc queue start -j 2` runs two at a time (children start together, yet one parent);
-    `python -m ddpipe.sweeps grid` prints and logs mean ± std per learning rate."""
+    `ddpipe sweeps grid` prints and logs mean ± std per learning rate."""
     clone, env = repro_clone, CLONE_ENV
     run(["dvc", "exp", "run", "--queue", "-S", "mlflow.sweep=grid", "-S", "train.base_lr=0.001,0.003",
          "-S", "seed=1,2"], cwd=clone, env=env)
@@ -101,7 +101,7 @@ def test_a_queued_grid_is_one_parent_with_its_children_and_a_summary(repro_clone
     assert sorted((c.data.params["train.base_lr"], c.data.params["seed"]) for c in children) == [
         ("0.001", "1"), ("0.001", "2"), ("0.003", "1"), ("0.003", "2")]
 
-    summary = run(["python", "-m", "ddpipe.sweeps", "grid"], cwd=clone, env=env).stdout
+    summary = run(["ddpipe", "sweeps", "grid"], cwd=clone, env=env).stdout
     assert "sweep grid: 4 run(s) (4 FINISHED), 2 configuration(s)" in summary
     rows = [line for line in summary.splitlines() if line.startswith(("| 0.001 | 2 | 1,2 |", "| 0.003 | 2 | 1,2 |"))]
     assert len(rows) == 2 and all(row.count(" ± ") == 2 for row in rows)  # accuracy and macro-F1 per lr

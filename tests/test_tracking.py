@@ -17,7 +17,7 @@ from ddpipe.config.load import load_config
 from ddpipe.config.schema import Config, DistributedConfig, MlflowConfig
 from ddpipe.core.ranks import DistInfo
 from ddpipe.launch.torchrun import torchrun_command
-from ddpipe.tracking.store import dvc_hash, tracking_uri
+from ddpipe.tracking.run_store import dvc_hash, tracking_uri
 from ddpipe.tracking.tracker import MlflowTracker, Tracker, make_tracker
 from tests.conftest import (
     CLONE_ENV,
@@ -182,12 +182,12 @@ def test_a_store_down_for_the_whole_training_loses_nothing(tmp_path: Path, prepa
     result = run(["python", "stages/train_worker.py", *args_for(tmp_path, prepared, "num_epochs=2",
                                                                 "mlflow.log_model=true")],
                  env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}, timeout=300)
-    assert result.stderr.count("does not answer") == 1 and result.stderr.count("python -m ddpipe.outbox deliver") == 1
+    assert result.stderr.count("does not answer") == 1 and result.stderr.count("ddpipe outbox deliver") == 1
     assert (tmp_path / "model.pt").is_file() and (tmp_path / "train.json").is_file()
     key = json.loads((tmp_path / "run.json").read_text())["run_id"]
     assert key.startswith("pending-") and (tmp_path / "outbox" / key / "main.jsonl").is_file()
     uri = f"sqlite:///{tmp_path}/later.db"
-    sent = run(["python", "-m", "ddpipe.outbox", "deliver", f"mlflow.outbox={tmp_path}/outbox"],
+    sent = run(["ddpipe", "outbox", "deliver", f"mlflow.outbox={tmp_path}/outbox"],
                env={"MLFLOW_TRACKING_URI": uri}, timeout=300)
     assert "0 still waiting" in sent.stdout, sent.stdout + sent.stderr
     assert not (tmp_path / "outbox" / key).exists()  # delivered whole: removed
@@ -542,7 +542,7 @@ def test_run_info_records_its_format_and_one_written_before_still_names_the_run(
 
 _OPEN_AT_ONCE = """
 import sys, time
-from ddpipe.tracking.store import open_client
+from ddpipe.tracking.run_store import open_client
 start = float(sys.argv[2])
 time.sleep(max(0.0, start - time.time()))  # every process opens the new store at the same moment
 open_client(sys.argv[1]).search_experiments()

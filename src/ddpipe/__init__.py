@@ -4,7 +4,7 @@ in MLflow.
 The library is a few packages, one concern each, in layers: a package imports only packages of layers below its
 own (never a sibling of its layer, never one above), so each can be read, tested and changed from the floor up.
 This table is the one statement of that rule; tests/test_layout.py holds every import of src/ddpipe against it.
-The modules beside this file are thin entry points (``python -m ddpipe.outbox``, ...) that no package imports.
+The modules beside this file are thin entry points (``ddpipe outbox``, ...) that no package imports.
 """
 
 __version__ = "0.1.0"
@@ -18,5 +18,5 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine",),  # the resolved run, the network's assembly, the loop, checkpoints, the evaluation
     ("export",),  # the export stage: ONNX and INT8 graphs checked against the trained model before they count
     ("launch",),  # the torchrun command, what each rank runs, the cluster
-    ("search",),  # the search over experiments: Optuna asks, each trial a DVC experiment (python -m ddpipe.search)
+    ("search",),  # the search over experiments: Optuna asks, each trial a DVC experiment (ddpipe search)
 )

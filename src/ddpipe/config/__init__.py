@@ -2,7 +2,7 @@
 
 One module per part, imports running down (none imports a module above it):
 
-    __main__   ``python -m ddpipe.config [key=value ...]``: check params.yaml (+ overrides) and print the result;
+    __main__   ``ddpipe config [key=value ...]``: check params.yaml (+ overrides) and print the result;
                ``--schema``: the documented schema; ``--docs``: docs/parameters.md
     command    what every command shares: load the config from its argv, exit with one line on a mistake
     load       defaults < params.yaml < ``key=value`` overrides: load_config, its messages (an unknown key with a

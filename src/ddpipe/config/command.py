@@ -16,7 +16,7 @@ def load_or_exit(argv: list[str], script: str) -> Config:
     """The checked config (defaults < params.yaml < argv), or exit 2 naming the bad key."""
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE.format(script=script))
-        print("Every parameter, its default and accepted values: python -m ddpipe.config --schema")
+        print("Every parameter, its default and accepted values: ddpipe config --schema")
         raise SystemExit(0)
     with user_errors():
         return load_config(argv)

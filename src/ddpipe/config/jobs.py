@@ -1,4 +1,4 @@
-"""The schema's ``cluster`` section: how ``python -m ddpipe.cluster submit`` turns DVC's queued experiments into a
+"""The schema's ``cluster`` section: how ``ddpipe cluster submit`` turns DVC's queued experiments into a
 scheduler's jobs (docs/cluster.md). No stage reads it."""
 
 # No ``from __future__ import annotations``: OmegaConf.structured reads the field types at runtime (as in schema.py).
@@ -10,7 +10,7 @@ from ddpipe.config.param import param
 
 @dataclass
 class ClusterConfig:
-    """How ``python -m ddpipe.cluster submit`` sends DVC's queue to a scheduler (docs/cluster.md, "DVC's queue on a
+    """How ``ddpipe cluster submit`` sends DVC's queue to a scheduler (docs/cluster.md, "DVC's queue on a
     cluster").
     No stage reads it: the submit command reads it from each queued experiment's own params, so one experiment
     may ask for more than another."""

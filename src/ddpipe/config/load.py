@@ -182,7 +182,7 @@ def _shown(default: Any) -> str:
     return "null" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
 
 
-DOCS_COMMAND = "python -m ddpipe.config --docs > docs/parameters.md"
+DOCS_COMMAND = "ddpipe config --docs > docs/parameters.md"
 
 
 def parameters_page(dvc_file: str | Path = "dvc.yaml") -> str:
@@ -197,8 +197,8 @@ def parameters_page(dvc_file: str | Path = "dvc.yaml") -> str:
         "Every key of `params.yaml`: its default, what it accepts and what it means, one table per section. The "
         "schema (`src/ddpipe/config/schema.py`, a doc per field) is the one source: `params.yaml` spells out "
         f"every key at its default, and this page is written from it (and from `dvc.yaml`) by `{DOCS_COMMAND}` "
-        "(a test fails while it is stale). `python -m ddpipe.config --schema` prints the tables as one, and "
-        "`python -m ddpipe.config [key=value ...]` the configuration a run would get.", "",
+        "(a test fails while it is stale). `ddpipe config --schema` prints the tables as one, and "
+        "`ddpipe config [key=value ...]` the configuration a run would get.", "",
         "## Where a value comes from", "",
         "Later wins: the schema's defaults < `params.yaml` < the command line. `dvc exp run -S num_epochs=20 -S "
         "train.base_lr=0.003` sets values for one experiment (DVC writes them into that experiment's "

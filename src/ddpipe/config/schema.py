@@ -2,7 +2,7 @@
 
 Every fact about a key sits in its field (see :func:`param`): its doc, what it accepts, and whether it
 shapes the training trajectory. That one table drives the checks, the printed schema
-(``python -m ddpipe.config --schema``) and :func:`~ddpipe.config.keys.trajectory`.
+(``ddpipe config --schema``) and :func:`~ddpipe.config.keys.trajectory`.
 """
 
 # No ``from __future__ import annotations`` here: the schema's field types must stay real types at
@@ -315,7 +315,7 @@ class MlflowConfig:
         "exports passed their check and its test accuracy beats the holder's on the same test split; null: no alias.")
     outbox: str = param(
         "mlflow-outbox", "Where a run's MLflow records are kept until the store has them (relative: under the repo "
-        "root); an unreachable server loses nothing: python -m ddpipe.outbox deliver.")
+        "root); an unreachable server loses nothing: ddpipe outbox deliver.")
 
 
 TIME_LIMIT = re.compile(r"^(\d+-)?\d+(:\d\d){0,2}$")

@@ -1,4 +1,4 @@
-"""The schema's ``search`` section: what ``python -m ddpipe.search`` reads (no stage does). Its distributions, ``first``
+"""The schema's ``search`` section: what ``ddpipe search`` reads (no stage does). Its distributions, ``first``
 trials and storage are parsed and checked by ``ddpipe.search.space`` before any trial starts."""
 
 # No ``from __future__ import annotations``: OmegaConf.structured reads the field types at runtime (as in schema.py).
@@ -13,7 +13,7 @@ STUDY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")  # a git ref's word
 
 @dataclass
 class SearchConfig:
-    """A search over experiments (docs/search.md): ``python -m ddpipe.search run`` asks Optuna for trials and runs
+    """A search over experiments (docs/search.md): ``ddpipe search run`` asks Optuna for trials and runs
     each as a DVC experiment. No stage reads it: changing it re-runs nothing; ``search.key=value`` after the command
     overrides it for that command."""
 

@@ -27,7 +27,7 @@ CLUSTER_JOB_ENV, CLUSTER_LOG_ENV = "DDPIPE_CLUSTER_JOB", "DDPIPE_CLUSTER_LOG"
 K8S_JOB_ENV = "DDPIPE_K8S_JOB"
 
 # The user's repository, set for an experiment that runs in a workspace of its own (a cluster job's, a search trial's):
-# its MLflow store and outbox are the repository's, not the workspace's (ddpipe.tracking.store.repo_root).
+# its MLflow store and outbox are the repository's, not the workspace's (ddpipe.tracking.run_store.repo_root).
 REPO_ROOT_ENV = "DDPIPE_REPO_ROOT"
 
 # A search trial, set by the search's driver for the training it runs (JSON: storage, study, trial (number),

@@ -4,7 +4,7 @@ validation (``ddpipe.core.exits.TrialPruned``), on every node, with no rank left
 pruner's steps are validations counted from 1 over the run (:func:`validation_number`): epochs, unless
 ``train.val_every_n_steps`` validates inside them too, so that a hopeless trial stops inside its first epoch.
 
-The training learns its trial from :data:`TRIAL_ENV`, which ``python -m ddpipe.search run`` sets for the
+The training learns its trial from :data:`TRIAL_ENV`, which ``ddpipe search run`` sets for the
 ``dvc exp run`` of each trial (DVC passes its environment to the stage's command, torchrun to every worker). Without
 it a training is no trial and this module does nothing: the experiment is the same as any other. The study's storage
 and pruner are opened here, the one place both the search's driver and the training build them.

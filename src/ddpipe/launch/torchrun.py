@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.distributed.nnodes != "1" and not cfg.distributed.rdzv_endpoint:
             raise ConfigError(f"distributed.rdzv_endpoint = '' is not accepted with distributed.nnodes = "
                               f"{cfg.distributed.nnodes!r}: every node needs host:port of the first node's rendezvous "
-                              "(deploy/ sets it; python -m ddpipe.cluster submit sets it for queued experiments)")
+                              "(deploy/ sets it; ddpipe cluster submit sets it for queued experiments)")
         job = resolve_job(cfg.distributed)
         preflight(cfg, job.max_world_size)
         if note := check_access(cfg.mlflow):  # a server that refuses this user: before anything is written

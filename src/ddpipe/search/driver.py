@@ -1,4 +1,4 @@
-"""``python -m ddpipe.search run``: ask the study for trials and run each as a DVC experiment, ``search.jobs`` at once,
+"""``ddpipe search run``: ask the study for trials and run each as a DVC experiment, ``search.jobs`` at once,
 until the study holds ``search.trials`` finished ones (completed or pruned); the same command again continues it.
 
 Each trial is ``dvc exp run -n <study>-<number> -S key=value ... -S mlflow.sweep=<study> train``: a DVC experiment of
@@ -44,8 +44,8 @@ from ddpipe.core.exits import pruned_where
 from ddpipe.engine.pruning import epoch_values, trial_value
 from ddpipe.launch import workspace
 from ddpipe.launch.cluster.queue import exp_ref, git
-from ddpipe.search import cluster as on_cluster
 from ddpipe.search import study as studies
+from ddpipe.search import trial_jobs as on_cluster
 from ddpipe.search.space import Plan, override_text
 from ddpipe.search.study import FIRST, SearchError, close_stale, driver_mark, first_of, held_note, open_study, orphans
 
@@ -120,7 +120,7 @@ def in_flight(study: Any) -> int:
 def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None = None) -> Any:
     """Run the search of ``plan`` in the repository at ``root`` until the study holds ``search.trials`` finished
     trials; returns the study. SIGTERM or SIGUSR1 stops it (:class:`Stopped`) as Ctrl-C does, trials resumable.
-    ``cluster``: each trial a job on that scheduler (:mod:`ddpipe.search.cluster`), not a process here."""
+    ``cluster``: each trial a job on that scheduler (:mod:`ddpipe.search.trial_jobs`), not a process here."""
     if cluster is not None:
         on_cluster.check(cluster, plan.storage)
     study = open_study(plan)
@@ -178,7 +178,7 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
         say(note)  # it stops short of search.trials: say why once more, last
     if failed_in_a_row >= MAX_FAILED_IN_A_ROW:
         raise SearchError(f"search {plan.settings.study}: {failed_in_a_row} trials failed in a row; see their logs in "
-                           f"{plan.folder} (python -m ddpipe.search status)")
+                           f"{plan.folder} (ddpipe search status)")
     return study
 
 

@@ -1,4 +1,4 @@
-"""``python -m ddpipe.search remove [--keep N] [--dry-run]``: the DVC experiments of a study's trials removed, all but
+"""``ddpipe search remove [--keep N] [--dry-run]``: the DVC experiments of a study's trials removed, all but
 those of the best N completed trials, so that ``dvc exp show`` stays quick however many trials the study ran.
 
 A trial's experiment is the git ref ``refs/exps/<xx>/<baseline>/<study>-<number>`` (one per baseline it was saved
@@ -139,7 +139,7 @@ def apply_best(best: dict[str, Any], root: Path) -> int:
     search, and with ``mlflow.registered_model_name`` set its one version is registered and the alias moves as after
     any training). Returns the first non-zero exit code, else 0; SearchError when ``remove`` removed the experiment."""
     if not best["experiment"]:
-        raise SearchError(f"trial {best['number']}'s DVC experiment was removed (python -m ddpipe.search remove): "
+        raise SearchError(f"trial {best['number']}'s DVC experiment was removed (ddpipe search remove): "
                           "nothing to apply; run its params again with dvc exp run -S ...")
     for cmd in (["dvc", "exp", "apply", best["experiment"]], ["dvc", "repro"]):
         print(f"$ {' '.join(cmd)}", flush=True)

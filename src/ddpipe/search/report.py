@@ -12,7 +12,7 @@ from ddpipe.core.errors import one_line
 from ddpipe.engine.pruning import pruned_at
 from ddpipe.search.experiments import REMOVED
 from ddpipe.search.study import SearchError
-from ddpipe.tracking.store import bound_http_requests, experiment_id, open_client, sweep_parent, tracking_uri
+from ddpipe.tracking.run_store import bound_http_requests, experiment_id, open_client, sweep_parent, tracking_uri
 from ddpipe.tracking.sweeps import SEARCH_TAG, markdown
 
 PLOTS = ("optimization_history", "parallel_coordinate", "param_importances")
@@ -53,7 +53,7 @@ def best(study: Any) -> dict[str, Any]:
     from optuna.trial import TrialState
 
     if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        raise SearchError(f"search {study.study_name}: no completed trial yet (python -m ddpipe.search status)")
+        raise SearchError(f"search {study.study_name}: no completed trial yet (ddpipe search status)")
     t = study.best_trial
     gone = t.number in study.user_attrs.get(REMOVED, ())
     return {"number": t.number, "params": t.params, "value": t.value,

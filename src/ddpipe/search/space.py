@@ -117,7 +117,7 @@ def parse(key: str, text: Any, params_file: str | Path | None) -> Distribution:
     if key not in FIELDS or is_section(key):
         close = difflib.get_close_matches(key, [k for k in FIELDS if not is_section(k)], n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"{where}: unknown key '{key}'; expected a dotted key of the schema (python -m ddpipe.config "
+        raise ConfigError(f"{where}: unknown key '{key}'; expected a dotted key of the schema (ddpipe config "
                           f"--schema), e.g. train.base_lr.{hint}")
     if key.startswith(NOT_SEARCHED):
         raise ConfigError(f"{where}: '{key}' is not accepted; expected a training parameter (not under "

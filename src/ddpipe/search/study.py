@@ -15,7 +15,7 @@ from ddpipe.core.errors import one_line
 from ddpipe.core.processes import alive, named_host_lock, start_time
 from ddpipe.engine.pruning import make_pruner, open_storage
 from ddpipe.search.space import Plan
-from ddpipe.tracking.store import redact
+from ddpipe.tracking.run_store import redact
 
 # A database storage: the driver records a heartbeat of each trial it holds; one silent for GRACE_S (its driver on
 # another host gone) is failed by the next driver (Optuna's fail_stale_trials) and retried once with the same params.
@@ -138,7 +138,7 @@ def load_study(plan: Plan) -> Any:
     try:
         return optuna.load_study(study_name=plan.settings.study, storage=storage(plan))
     except KeyError:
-        raise SearchError(f"no study {plan.settings.study!r} in {redact(plan.storage)} (python -m ddpipe.search run "
+        raise SearchError(f"no study {plan.settings.study!r} in {redact(plan.storage)} (ddpipe search run "
                           "starts it)") from None
 
 
@@ -193,7 +193,7 @@ def held_note(study: Any, where: str) -> str | None:
     hosts = sorted(set(held.values()))
     return (f"search {study.study_name}: trial(s) {', '.join(map(str, sorted(held)))} are RUNNING under a driver on "
             f"{', '.join(hosts)}, not this host ({socket.gethostname()}): the journal file {where} has no heartbeat, "
-            "so they are left to that driver and count as in flight. If it is gone, run `python -m ddpipe.search "
+            "so they are left to that driver and count as in flight. If it is gone, run `ddpipe search "
             f"run` on {hosts[0]}, which resumes them; drivers on several hosts keep the study in a database "
             "(search.storage=postgresql://...), whose heartbeat hands a dead host's trials to the others")
 

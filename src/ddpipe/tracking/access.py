@@ -13,7 +13,7 @@ from typing import Any
 from urllib.parse import quote
 
 from ddpipe.config.schema import ConfigError, MlflowConfig
-from ddpipe.tracking.store import bound_http_requests, experiment_id, is_server, redact, tracking_uri
+from ddpipe.tracking.run_store import bound_http_requests, experiment_id, is_server, redact, tracking_uri
 
 WRITERS = ("EDIT", "MANAGE")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpipe.core.errors import one_line
-from ddpipe.tracking.store import open_client
+from ddpipe.tracking.run_store import open_client
 
 # MLflow's REST limits per log_batch request
 MAX_METRICS, MAX_PARAMS = 1000, 100
@@ -111,7 +111,7 @@ def _create(client: Any, journal: Any, run_id: str | None, rec: dict) -> None:
     """The run of a pending key (found by its ``ddpipe.run_key`` tag if an earlier delivery made it)."""
     import mlflow
 
-    from ddpipe.tracking.store import experiment_id, sweep_parent
+    from ddpipe.tracking.run_store import experiment_id, sweep_parent
 
     exp = experiment_id(mlflow, rec["experiment"], journal.uri)
     found = client.search_runs([exp], filter_string=f"tags.`ddpipe.run_key` = '{journal.key}'", max_results=1)
@@ -168,7 +168,7 @@ def _model(client: Any, journal: Any, run_id: str, rec: dict) -> None:
     import numpy as np
 
     from ddpipe.models.served import log_pyfunc
-    from ddpipe.tracking.store import git_tags
+    from ddpipe.tracking.run_store import git_tags
 
     model_name, registered = model_names(rec, journal.format_of(rec))
     # the commit tags a registered version only: no git subprocess for a model that is not registered

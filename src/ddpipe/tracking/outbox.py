@@ -1,7 +1,7 @@
 """A run's MLflow records kept on disk until the store has them: nothing is lost while a server is down.
 
-    python -m ddpipe.outbox deliver        # send what waits (the next training or evaluate stage does it too)
-    python -m ddpipe.outbox status         # what waits, per run
+    ddpipe outbox deliver        # send what waits (the next training or evaluate stage does it too)
+    ddpipe outbox status         # what waits, per run
 
 Every record a training or the evaluate stage makes for MLflow (params, each epoch's metrics, system metrics,
 tags, the end status, the model and the reports) is first appended to a journal, ``<mlflow.outbox>/<run>/<name>
@@ -43,7 +43,7 @@ from ddpipe.core.errors import one_line
 from ddpipe.core.files import atomic_write_json, atomic_write_text
 from ddpipe.core.processes import alive_here, host_lock, this_process
 from ddpipe.tracking.delivery import Delivery, send
-from ddpipe.tracking.store import redact, repo_root
+from ddpipe.tracking.run_store import redact, repo_root
 
 PENDING = "pending-"
 # The records' format, written into each as "v": one letter, where a file would say "format_version", because a
@@ -275,7 +275,7 @@ class Courier:
         if result.waiting:
             self.say(f"MLflow: {result.waiting} record(s) of run {self.journal.key} wait in {self.journal.dir}: the "
                      f"store at {redact(self.journal.uri)} did not answer ({describe(result.error)}). The next "
-                     "training or evaluate stage sends them, or now: python -m ddpipe.outbox deliver", "left")
+                     "training or evaluate stage sends them, or now: ddpipe outbox deliver", "left")
         else:
             finished(self.journal)
         return result
@@ -332,9 +332,9 @@ def finished(journal: Journal) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``deliver`` or ``status`` of the outbox of this repository (``mlflow.outbox``)."""
     from ddpipe.config.command import load_or_exit
-    from ddpipe.tracking.store import bound_http_requests, tracking_uri
+    from ddpipe.tracking.run_store import bound_http_requests, tracking_uri
 
-    p = argparse.ArgumentParser(prog="python -m ddpipe.outbox", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="ddpipe outbox", description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=("deliver", "status"))
     p.add_argument("overrides", nargs="*", help="key=value, as for the stages (e.g. mlflow.outbox=...)")
     args = p.parse_args(argv)

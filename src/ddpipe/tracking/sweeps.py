@@ -2,10 +2,10 @@
 
     dvc exp run --queue -S mlflow.sweep=lr-grid -S 'train.base_lr=0.001,0.003,0.01' -S 'seed=1,2'
     dvc queue start -j 2
-    python -m ddpipe.sweeps lr-grid [key=value ...]      # once the children have finished
+    ddpipe sweeps lr-grid [key=value ...]      # once the children have finished
 
 Every training with ``mlflow.sweep`` set is a child run of one parent run named after the sweep
-(:mod:`ddpipe.tracking.store`). This command groups the children by the parameters that vary among them
+(:mod:`ddpipe.tracking.run_store`). This command groups the children by the parameters that vary among them
 other than ``seed``, prints a table of test accuracy and macro-F1 as mean ± sample standard deviation
 over the seeds, and logs the table to the parent run: metrics, ``sweep_summary.csv`` and
 ``sweep_summary.md``, and a plot ``sweep_summary.png``.
@@ -27,7 +27,7 @@ from ddpipe.config.keys import flatten
 from ddpipe.config.load import user_errors
 from ddpipe.config.schema import Config
 from ddpipe.core.metric_names import TEST_ACCURACY, TEST_MACRO_F1
-from ddpipe.tracking.store import bound_http_requests, find_sweep_parent, tracking_uri
+from ddpipe.tracking.run_store import bound_http_requests, find_sweep_parent, tracking_uri
 
 METRICS = (TEST_ACCURACY, TEST_MACRO_F1)
 SEARCH_TAG = "ddpipe.search.best_trial"  # set on a search study's parent run (ddpipe.search.report.log_to_parent)
@@ -170,16 +170,19 @@ def _plot(groups: list[Group], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ddpipe.sweeps NAME [key=value ...]``: summarise sweep NAME (exit 2 on a user error)."""
+    """``ddpipe sweeps NAME [key=value ...]``: summarise sweep NAME (exit 2 on a user error)."""
     from ddpipe.config.command import load_or_exit
 
     argv = sys.argv[1:] if argv is None else argv
     names = [a for a in argv if "=" not in a]
+    usage = "usage: ddpipe sweeps SWEEP_NAME [key=value ...]   (SWEEP_NAME as set with -S mlflow.sweep=SWEEP_NAME)"
+    if "-h" in argv or "--help" in argv:
+        print(f"{usage}\n\n{__doc__}")
+        return 0
     if len(names) != 1:
-        print("usage: python -m ddpipe.sweeps SWEEP_NAME [key=value ...]   (SWEEP_NAME as set with "
-              "-S mlflow.sweep=SWEEP_NAME)", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
-    cfg = load_or_exit([a for a in argv if "=" in a], "python -m ddpipe.sweeps")
+    cfg = load_or_exit([a for a in argv if "=" in a], "ddpipe sweeps")
     with user_errors(SweepError, code=2):
         print(summarise(cfg, names[0]), end="")
     return 0

@@ -12,7 +12,7 @@ import warnings
 from ddpipe.config.schema import MlflowConfig
 from ddpipe.core.ranks import DistInfo
 from ddpipe.tracking.outbox import Courier, Journal, outbox_root
-from ddpipe.tracking.store import bound_http_requests, is_server, tracking_uri
+from ddpipe.tracking.run_store import bound_http_requests, is_server, tracking_uri
 
 
 class NoSystemMetrics:

@@ -11,7 +11,7 @@ experiment) turns tracking off with one warning. It records; it writes none of t
 A run's status says how it ended: FINISHED; FAILED (an exception) or KILLED (SIGINT, or preempted by SIGTERM/
 SIGUSR1), with the reason in the tag ``ddpipe.end_reason``. A process killed outright (SIGKILL, a lost node) leaves
 its run RUNNING and a marker file in ``paths.checkpoints``: the next attempt reopens that run when it resumes the
-run's checkpoint, and otherwise closes it as FAILED, saying why. Where runs go: ``ddpipe.tracking.store``.
+run's checkpoint, and otherwise closes it as FAILED, saying why. Where runs go: ``ddpipe.tracking.run_store``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from ddpipe.core.ranks import DistInfo
 from ddpipe.data.store import load_meta
 from ddpipe.tracking.delivery import is_transient
 from ddpipe.tracking.outbox import Courier, Journal, describe, finished, new_key, outbox_root
-from ddpipe.tracking.store import (
+from ddpipe.tracking.run_store import (
     bound_http_requests,
     dvc_hash,
     experiment_id,
@@ -49,7 +49,7 @@ from ddpipe.tracking.store import (
     tracking_uri,
 )
 
-# A run of an experiment that python -m ddpipe.cluster sent to a scheduler: its job and the log a person reads
+# A run of an experiment that ddpipe cluster sent to a scheduler: its job and the log a person reads
 CLUSTER_TAGS = {"ddpipe.cluster.job": CLUSTER_JOB_ENV, "ddpipe.cluster.log": CLUSTER_LOG_ENV}
 
 

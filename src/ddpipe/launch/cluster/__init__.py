@@ -2,10 +2,10 @@
 Kubernetes Indexed Jobs), back as DVC experiments of this repository.
 
     dvc exp run --queue -S seed=1,2 -S train.base_lr=0.003,0.01 -S mlflow.sweep=grid
-    python -m ddpipe.cluster submit        # every queued experiment -> a job (an array for alike ones)
-    python -m ddpipe.cluster status        # each experiment: its job, state, log, MLflow run
-    python -m ddpipe.cluster wait          # until every job has ended and its experiment is back
-    python -m ddpipe.cluster cancel [NAME ...]
+    ddpipe cluster submit        # every queued experiment -> a job (an array for alike ones)
+    ddpipe cluster status        # each experiment: its job, state, log, MLflow run
+    ddpipe cluster wait          # until every job has ended and its experiment is back
+    ddpipe cluster cancel [NAME ...]
     dvc exp show                           # the experiments, with their params and metrics
 
 Each job runs its experiment with ``dvc exp run`` in a workspace of its own (a clone of this repository at the
@@ -17,7 +17,7 @@ the DVC remote (``remote``: nodes that share nothing). The modules, one per conc
 - :mod:`ddpipe.launch.cluster.records`: what was submitted and how each experiment ended (``.dvc/tmp/cluster``);
 - :mod:`ddpipe.launch.cluster.slurm` and :mod:`ddpipe.launch.cluster.kubernetes`: the schedulers;
 - :mod:`ddpipe.launch.cluster.job`: what runs inside a job;
-- :mod:`ddpipe.launch.cluster.cli`: the command line.
+- :mod:`ddpipe.launch.cluster.submission`: the command line.
 """
 
 

@@ -1,4 +1,4 @@
-"""What runs inside a job that ``python -m ddpipe.cluster submit`` sent: one queued experiment, run with DVC itself.
+"""What runs inside a job that ``ddpipe cluster submit`` sent: one queued experiment, run with DVC itself.
 
     python -m ddpipe.launch.cluster.job MANIFEST INDEX [--agent]
 
@@ -84,7 +84,7 @@ def environment(m: dict, e: dict, ws: Path, sched) -> dict[str, str]:
 
 
 def trial_targets(ws: Path) -> list[str]:
-    """A search's trial (``python -m ddpipe.search run --cluster``: its description in the job's environment) runs
+    """A search's trial (``ddpipe search run --cluster``: its description in the job's environment) runs
     its one stage, the train stage, with the evaluate and export stages' tracked files out of its experiment (issue
     47: a trial never touches the test split); any other experiment runs whole: ``[]``."""
     spec = trial_spec() or {}
@@ -153,7 +153,7 @@ def mark_run(e: dict, run_id: str | None, state: str) -> None:
     try:
         from mlflow import MlflowClient
 
-        from ddpipe.tracking.store import bound_http_requests, store_uri
+        from ddpipe.tracking.run_store import bound_http_requests, store_uri
         bound_http_requests()
         client = MlflowClient(store_uri(e["tracking_uri"]))
         client.set_tag(run_id, "ddpipe.cluster.state", state)

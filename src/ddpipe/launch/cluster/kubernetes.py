@@ -31,7 +31,7 @@ GRACE_SECONDS = 120  # SIGTERM then SIGKILL: the step in progress plus a checkpo
 
 def available() -> None:
     if not shutil.which("kubectl"):
-        raise ClusterError("cluster.scheduler = 'kubernetes': kubectl is not on PATH; `python -m ddpipe.cluster submit "
+        raise ClusterError("cluster.scheduler = 'kubernetes': kubectl is not on PATH; `ddpipe cluster submit "
                            "--dry-run DIR` writes the manifests without it")
 
 

@@ -1,4 +1,4 @@
-"""What ``python -m ddpipe.cluster`` submitted and how each experiment ended, under ``.dvc/tmp/cluster`` of the
+"""What ``ddpipe cluster`` submitted and how each experiment ended, under ``.dvc/tmp/cluster`` of the
 user's repository (ignored by git and DVC):
 
     submissions/<id>/     the job script or manifests and manifest.json (what each job's driver reads)

@@ -227,7 +227,7 @@ def rendezvous_endpoint() -> str:
     SLURM itself reaches it at (NodeAddr: the node's name unless slurm.conf says otherwise), and a port derived from
     the job id so that jobs sharing a node do not collide (``RDZV_PORT`` in the environment overrides it). The one
     recipe of both deploy/slurm/train.sbatch (``python -m ddpipe.launch.cluster.slurm rendezvous``) and the jobs
-    that ``python -m ddpipe.cluster submit`` sends."""
+    that ``ddpipe cluster submit`` sends."""
     nodes = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], capture_output=True,
                            text=True, check=True).stdout.split()
     info = subprocess.run(["scontrol", "show", "node", nodes[0], "--oneliner"], capture_output=True, text=True).stdout

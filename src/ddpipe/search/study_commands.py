@@ -1,11 +1,11 @@
-"""``python -m ddpipe.search``: run a search, list its trials, name its best.
+"""``ddpipe search``: run a search, list its trials, name its best.
 
-    python -m ddpipe.search run [search.trials=40 ...]    # trials until the study holds search.trials finished ones
-    python -m ddpipe.search run --cluster                 # each trial a SLURM job (the cluster section), jobs at once
-    python -m ddpipe.search status [search.study=NAME]    # every trial: state, params, value, epochs, experiment, run
-    python -m ddpipe.search best [--json]                 # the best trial and its DVC experiment (dvc exp apply NAME)
-    python -m ddpipe.search best --apply                  # dvc exp apply of it, then dvc repro: tested once
-    python -m ddpipe.search remove [--keep 10] [--dry-run] # the trials' DVC experiments but the best 10 completed ones
+    ddpipe search run [search.trials=40 ...]    # trials until the study holds search.trials finished ones
+    ddpipe search run --cluster                 # each trial a SLURM job (the cluster section), jobs at once
+    ddpipe search status [search.study=NAME]    # every trial: state, params, value, epochs, experiment, run
+    ddpipe search best [--json]                 # the best trial and its DVC experiment (dvc exp apply NAME)
+    ddpipe search best --apply                  # dvc exp apply of it, then dvc repro: tested once
+    ddpipe search remove [--keep 10] [--dry-run] # the trials' DVC experiments but the best 10 completed ones
 
 ``search.key=value`` after the subcommand overrides the ``search`` section for this command. Other keys are refused
 (exit 2): a trial's params are params.yaml's (the working tree's, committed or not) with its space's values, and a
@@ -25,9 +25,9 @@ from ddpipe.config.schema import Config, ConfigError
 from ddpipe.search.experiments import apply_best, options, remove
 from ddpipe.search.space import Plan, make_plan
 from ddpipe.search.study import SearchError, load_study
-from ddpipe.tracking.store import repo_root
+from ddpipe.tracking.run_store import repo_root
 
-USAGE = ("usage: python -m ddpipe.search run [--cluster]|status|best|remove [--json] [--apply] [--keep N] "
+USAGE = ("usage: ddpipe search run [--cluster]|status|best|remove [--json] [--apply] [--keep N] "
          "[--dry-run] [key=value ...]")
 
 
@@ -38,9 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         with user_errors():  # a bad --keep: exit 2 before the study is opened
             removal, argv = options(argv)
     words = [a for a in argv if "=" not in a and not a.startswith("-")]
-    if len(words) != 1 or words[0] not in ("run", "status", "best", "remove") or "-h" in argv or "--help" in argv:
-        print(__doc__ if "-h" in argv or "--help" in argv else USAGE, file=sys.stderr)
-        return 0 if "-h" in argv or "--help" in argv else 2
+    if "-h" in argv or "--help" in argv:
+        print(f"{USAGE}\n\n{__doc__}")
+        return 0
+    if len(words) != 1 or words[0] not in ("run", "status", "best", "remove"):
+        print(USAGE, file=sys.stderr)
+        return 2
     overrides = [a for a in argv if "=" in a]
     with user_errors():
         check_overrides(overrides)
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
             top = best(study)
             where = f"DVC experiment {top['experiment']} (dvc exp apply {top['experiment']})" if top["experiment"] \
-                else "no DVC experiment (python -m ddpipe.search remove removed it)"
+                else "no DVC experiment (ddpipe search remove removed it)"
             print(json.dumps(top) if "--json" in argv else
                   f"best: trial {top['number']}, {plan.settings.metric} {top['value']:.4f}, {top['params']}; {where}",
                   flush=True)
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 def check_overrides(overrides: list[str]) -> None:
     """Only ``search.*`` keys on the command line: ConfigError naming any other."""
     if other := [o for o in overrides if not o.startswith("search.")]:
-        raise ConfigError(f"{' '.join(other)}: only search.* keys are accepted by python -m ddpipe.search; a "
+        raise ConfigError(f"{' '.join(other)}: only search.* keys are accepted by ddpipe search; a "
                           "trial's params are params.yaml's with its space's values: set the others in params.yaml")
 
 

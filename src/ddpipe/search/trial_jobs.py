@@ -1,9 +1,9 @@
-"""``python -m ddpipe.search run --cluster``: each trial a job of ``ddpipe.cluster`` on the ``cluster`` section's
+"""``ddpipe search run --cluster``: each trial a job of ``ddpipe cluster`` on the ``cluster`` section's
 scheduler, its experiment back as the queue's are.
 
 The driver asks the study as it does on this host. A trial is queued as a DVC experiment with its params (``dvc exp
-run --queue -n <study>-<number> -S ...``) and submitted alone (:func:`ddpipe.launch.cluster.cli.submit`), so that its
-job asks for what its own params ask for: a trial with ``distributed.nnodes: 2`` is a 2-node job. At most
+run --queue -n <study>-<number> -S ...``) and submitted alone (:func:`ddpipe.launch.cluster.submission.submit`), so
+that its job asks for what its own params ask for: a trial with ``distributed.nnodes: 2`` is a 2-node job. At most
 ``search.jobs`` are submitted at once. The trial's description reaches the job in the environment the scheduler
 passes on (sbatch's default), and its training reports every epoch to the study directly: the study's storage must
 be reachable from the nodes (a journal file or sqlite on the shared filesystem, or a database). A job the scheduler
@@ -22,7 +22,7 @@ from typing import Any
 from ddpipe.config.schema import ClusterConfig, ConfigError
 from ddpipe.core.environment import TRIAL_ENV
 from ddpipe.launch.cluster import ClusterError, records
-from ddpipe.launch.cluster.cli import ENDED, GRACE_SECONDS, cancel, collect, live_states, scheduler, submit
+from ddpipe.launch.cluster.submission import ENDED, GRACE_SECONDS, cancel, collect, live_states, scheduler, submit
 
 ASK_EVERY_S = 10.0  # the scheduler is asked for a job's state at most this often
 
@@ -30,8 +30,8 @@ ASK_EVERY_S = 10.0  # the scheduler is asked for a job's state at most this ofte
 def check(cluster: ClusterConfig, storage: str) -> None:
     """Before any trial: SLURM answers, and the study's storage is one the nodes reach."""
     if cluster.scheduler != "slurm":  # a Kubernetes pod gets no environment of the submitter's, so no trial
-        raise ConfigError(f"cluster.scheduler = {cluster.scheduler!r} is not accepted by python -m ddpipe.search run "
-                          "--cluster; accepted: slurm (Kubernetes runs queued experiments: python -m ddpipe.cluster)")
+        raise ConfigError(f"cluster.scheduler = {cluster.scheduler!r} is not accepted by ddpipe search run "
+                          "--cluster; accepted: slurm (Kubernetes runs queued experiments: ddpipe cluster)")
     scheduler(cluster.scheduler).available()
     on_this_host = "://" not in storage or storage.startswith("sqlite:")
     if cluster.storage == "remote" and on_this_host:

@@ -1,4 +1,4 @@
-"""``python -m ddpipe.cluster submit | status | cancel | wait`` (see :mod:`ddpipe.launch.cluster`).
+"""``ddpipe cluster submit | status | cancel | wait`` (see :mod:`ddpipe.launch.cluster`).
 
     submit [--dry-run DIR] [--scheduler S] [--partition P] [--account A] [--time T] [--gpus-per-node G]
            [--cpus-per-node C] [--mem M] [--max-running N] [--storage shared|remote] [key=value ...]
@@ -29,7 +29,7 @@ from ddpipe.core.metric_names import TEST_ACCURACY
 from ddpipe.launch import workspace
 from ddpipe.launch.cluster import ClusterError, kubernetes, records, slurm
 from ddpipe.launch.cluster.queue import Queued, exp_ref, git, pin_and_dequeue, queued
-from ddpipe.tracking.store import is_server, redact, tracking_uri
+from ddpipe.tracking.run_store import is_server, redact, tracking_uri
 
 FLAGS = {"scheduler": "cluster.scheduler", "partition": "cluster.partition", "account": "cluster.account",
          "time": "cluster.time_limit", "gpus_per_node": "cluster.gpus_per_node",
@@ -242,7 +242,7 @@ def wait(repo: Path, timeout: float, poll: float) -> int:
     root = records.state_dir(repo)
     every = records.records(root)
     if not every:
-        raise ClusterError(f"nothing was submitted from {repo} (python -m ddpipe.cluster submit)")
+        raise ClusterError(f"nothing was submitted from {repo} (ddpipe cluster submit)")
     newest = every[-1].submission
     recs = [r for r in every if r.submission == newest or not records.result(root, r.name)]
     deadline = time.time() + timeout
@@ -298,7 +298,7 @@ def cancel(repo: Path, names: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ddpipe.cluster", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="ddpipe cluster", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("submit", help="every experiment in DVC's queue -> a job")
     s.add_argument("--dry-run", type=Path, metavar="DIR", help="write the job scripts and manifests only")
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             if recs:
                 for r in recs:
                     print(f"submitted {r.name}: {r.scheduler} job {r.job}, log {r.log}")
-                print("python -m ddpipe.cluster status | wait")
+                print("ddpipe cluster status | wait")
             return 0
         if args.command == "status":
             root = records.state_dir(repo)
