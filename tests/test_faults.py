@@ -64,6 +64,14 @@ def test_two_torchrun_agents_on_one_machine_match_one_agent_with_two_processes(t
     assert max_rel_diff(weights(tmp_path / "single" / "model.pt"), weights(tmp_path / "multi" / "model.pt")) < 1e-4
 
 
+def _kill_all(*pids: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 @pytest.mark.slow
 def test_a_rank_that_stops_answering_fails_the_job_within_the_timeout(tmp_path: Path, prepared: Path) -> None:
     """A rank stopped (SIGSTOP: alive but silent, the worst kind of failure) in epoch 2: rank 0 fails within the
@@ -79,7 +87,8 @@ def test_a_rank_that_stops_answering_fails_the_job_within_the_timeout(tmp_path: 
     stopped = int(sorted(workers, key=int)[-1])
     os.kill(stopped, signal.SIGSTOP)
     started, failed_after, lines = time.time(), None, []
-    watchdog = threading.Timer(timeout_s * 12, proc.kill)  # a job that never fails: its agent killed, the pipe closed
+    # a job that never fails: its agent and workers killed, so that the pipe they hold closes
+    watchdog = threading.Timer(timeout_s * 12, _kill_all, (proc.pid, *map(int, workers)))
     watchdog.start()
     try:
         for line in proc.stdout:  # the pipe closes when torchrun ends
@@ -90,11 +99,7 @@ def test_a_rank_that_stops_answering_fails_the_job_within_the_timeout(tmp_path: 
         proc.wait(timeout=timeout_s * 12)
     finally:
         watchdog.cancel()
-        for pid in (stopped, *map(int, workers)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_all(*map(int, workers))
     out = "".join(lines)
     assert proc.returncode != 0
     assert failed_after is not None and failed_after < timeout_s * 3, (failed_after, out[-4000:])

@@ -7,7 +7,7 @@
     ddpipe outbox deliver | status                       MLflow records that wait for their store
     ddpipe config [key=value ...] | --schema | --docs    params.yaml checked and shown; every parameter
 
-``ddpipe SUBCOMMAND --help`` says more. ``python -m ddpipe.launch``, ``ddpipe search`` and ``python -m
+``ddpipe SUBCOMMAND --help`` says more. ``python -m ddpipe.launch``, ``python -m ddpipe.search`` and ``python -m
 ddpipe.config`` are the same commands as before.
 """
 

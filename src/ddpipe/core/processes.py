@@ -27,7 +27,8 @@ def start_time(pid: int) -> str | None:
     return None if fields[0] in ("Z", "X") else fields[19]
 
 
-SHELLS = frozenset({"sh", "dash", "bash", "zsh", "ksh", "mksh", "fish"})  # between a program and its command
+# what may stand between a program and the command it runs through $SHELL -c
+SHELLS = frozenset({"sh", "dash", "ash", "bash", "zsh", "ksh", "mksh", "posh", "yash", "csh", "tcsh", "fish"})
 
 
 def _stat(pid: int) -> tuple[str, int] | None:
@@ -43,8 +44,9 @@ def caller_past_shells() -> int:
     """The pid of the program that started this process, past any shell in between: a program running a command
     through ``$SHELL -c`` (DVC does) is this process's parent only where the shell replaces itself with the command
     (bash, zsh); dash, Debian's ``/bin/sh``, forks it and waits. Without /proc: the parent."""
-    pid = os.getppid()
-    while pid > 1 and (found := _stat(pid)) is not None and found[0] in SHELLS:
+    pid, seen = os.getppid(), set()
+    while pid > 1 and pid not in seen and (found := _stat(pid)) is not None and found[0] in SHELLS:
+        seen.add(pid)  # a pid reused mid-walk cannot make it go round
         pid = found[1]
     return pid
 

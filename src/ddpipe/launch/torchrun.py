@@ -271,7 +271,7 @@ def follow_dvc(stop: Callable[[], None]) -> threading.Thread | None:
     this, its training would go on, orphaned, in the copy of the repository that DVC removes (the shell DVC runs the
     stage's command in, when it forks, lives on too). Otherwise None."""
     parent = caller_past_shells()
-    if not os.environ.get("DVC_STAGE") or parent == 1:
+    if not os.environ.get("DVC_STAGE") or parent <= 1:  # 0: a parent outside this PID namespace (docker exec)
         return None
     started = start_time(parent)
 
