@@ -52,17 +52,17 @@ def _step_checkpoint(clone: Path, epoch: int, seconds: float = 300) -> Path:
     raise AssertionError(f"no step checkpoint of epoch {epoch} under {clone / 'checkpoints' / 'queued'}")
 
 
-def _status(clone: Path, name: str) -> str:
-    """The queue's word for experiment ``name`` (Queued, Running, Success, Failed), once it has one of the last two,
-    at most 120 s."""
-    deadline, said = time.time() + 120, ""
+def _status(clone: Path, name: str, seconds: float = 900) -> str:
+    """The queue's word for experiment ``name`` (Queued, Running, Success, Failed), once it has one of the last two
+    (the third attempt trains 7 epochs, evaluates and exports: minutes on a busy host), at most ``seconds``."""
+    deadline, said = time.time() + seconds, ""
     while time.time() < deadline:
         rows = [line for line in run(["dvc", "queue", "status"], cwd=clone, env=CLONE_ENV).stdout.splitlines()
                 if f" {name} " in f" {line} "]
         said = rows[0] if rows else ""
         if "Success" in said or "Failed" in said:
             return said
-        time.sleep(1)
+        time.sleep(2)  # each look is a core-second of DVC's, taken from the training it waits for
     return said
 
 
