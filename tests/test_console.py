@@ -1,4 +1,4 @@
-"""The ``ddpipe`` command (ddpipe.console): one command with subcommands, each the main() of its package's module."""
+"""The ``ddpipe`` command (ddpipe.console.subcommands): one command with subcommands, each the main() of a module."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from ddpipe.console import SUBCOMMANDS
+from ddpipe.console.subcommands import SUBCOMMANDS
 from tests.conftest import ROOT, run
 
 

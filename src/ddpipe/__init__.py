@@ -19,4 +19,5 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("export",),  # the export stage: ONNX and INT8 graphs checked against the trained model before they count
     ("launch",),  # the torchrun command, what each rank runs, the cluster
     ("search",),  # the search over experiments: Optuna asks, each trial a DVC experiment (ddpipe search)
+    ("console",),  # the ddpipe command: a table of subcommands, each the main() of a module below
 )

@@ -17,27 +17,27 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def _stat(pid: int) -> tuple[str, list[str]] | None:
+    """The process's name and the fields after it in ``/proc/<pid>/stat`` (state, parent pid, ...), or None when it
+    is gone (or there is no /proc)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+        return text[text.index("(") + 1:text.rindex(")")], text.rsplit(")", 1)[1].split()
+    except (OSError, ValueError):
+        return None
+
+
 def start_time(pid: int) -> str | None:
     """The process's start time in clock ticks since boot, or None if it is gone or a zombie (Linux's /proc;
     None everywhere without it)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+    found = _stat(pid)
+    if found is None or len(found[1]) < 20:
         return None
-    return None if fields[0] in ("Z", "X") else fields[19]
+    return None if found[1][0] in ("Z", "X") else found[1][19]
 
 
 # what may stand between a program and the command it runs through $SHELL -c
 SHELLS = frozenset({"sh", "dash", "ash", "bash", "zsh", "ksh", "mksh", "posh", "yash", "csh", "tcsh", "fish"})
-
-
-def _stat(pid: int) -> tuple[str, int] | None:
-    """The process's name and its parent's pid (Linux's /proc), or None when unknown."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-        return text[text.index("(") + 1:text.rindex(")")], int(text.rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def caller_past_shells() -> int:
@@ -47,7 +47,7 @@ def caller_past_shells() -> int:
     pid, seen = os.getppid(), set()
     while pid > 1 and pid not in seen and (found := _stat(pid)) is not None and found[0] in SHELLS:
         seen.add(pid)  # a pid reused mid-walk cannot make it go round
-        pid = found[1]
+        pid = int(found[1][1])
     return pid
 
 

@@ -208,7 +208,7 @@ class Courier:
         self._say = say or (lambda text: print(text, file=sys.stderr, flush=True))
         self._wake, self._stop = threading.Event(), threading.Event()
         self._down_since: float | None = None  # when the attempts began to fail
-        self._failed, self._said_down = 0, False
+        self._failed = 0  # failed attempts in a row: an outage, said, from FAILURES_TO_SAY on
         self._thread = threading.Thread(target=self._loop, name=f"ddpipe-outbox-{journal.name}", daemon=True)
         self._thread.start()
 
@@ -244,17 +244,16 @@ class Courier:
             if self._down_since is None:
                 self._down_since = time.monotonic()
             if self._failed == FAILURES_TO_SAY:
-                self._said_down = True
                 self.say(f"MLflow: the store at {redact(self.journal.uri)} does not answer ({describe(result.error)}); "
                          f"the run's records wait in {self.journal.dir} and go when it answers (training goes on)",
                          "down")
                 _SAID.discard((self.journal.key, "back"))
         elif self._down_since is not None:
-            if self._said_down:
+            if self._failed >= FAILURES_TO_SAY:
                 self.say(f"MLflow: the store answers again after {time.monotonic() - self._down_since:.0f} s; the "
                          "records that waited were delivered in order", "back")
                 _SAID.discard((self.journal.key, "down"))
-            self._down_since, self._failed, self._said_down = None, 0, False
+            self._down_since, self._failed = None, 0
         return result
 
     def close(self, timeout_s: float = 60.0) -> Delivery:
