@@ -29,6 +29,12 @@ from ddpipe.config.load import load_config
 from ddpipe.config.schema import Config, DistributedConfig
 from ddpipe.launch.torchrun import torchrun_command
 
+# The suite's own process computes with one thread, as the trainings and stages it starts do
+# (distributed.threads_per_process=1 in tiny_overrides and CLONE_PARAMS): make test runs a test file per core, and a
+# process with more threads than its share of the cores spins in OpenMP's barriers (beside one training, the export
+# tests took 10x the time and 7x the CPU with a thread per core: BENCHMARKS.md, "The test suite").
+torch.set_num_threads(1)
+
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = ROOT / "params.yaml"
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")

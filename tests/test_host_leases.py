@@ -14,7 +14,7 @@ import torch
 
 from ddpipe.core.processes import start_time
 from ddpipe.distributed import host_leases
-from ddpipe.distributed.host_leases import GpuLease, HostShare
+from ddpipe.distributed.host_leases import GpuLease, HostShare, cpu_share
 
 
 @pytest.fixture
@@ -83,6 +83,28 @@ def test_a_training_with_fixed_threads_keeps_them_and_the_others_share_what_is_l
         for other in others:
             other.kill()
             other.wait()
+
+
+def test_an_evaluation_takes_its_share_beside_a_training_and_a_set_value_is_kept(tmp_path: Path,
+                                                                                 eight_cores: None) -> None:
+    """The evaluate and export stages (cpu_share): every core alone, half beside a sharing training, a set
+    distributed.threads_per_process whatever else runs; registered while they run, so trainings count them."""
+    with cpu_share(None, registry=tmp_path) as alone:
+        assert alone == 8 == torch.get_num_threads()
+        assert [p.read_text() for p in tmp_path.iterdir()] == ["0"]
+    assert not list(tmp_path.iterdir())
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        _register(tmp_path, other.pid)
+        with cpu_share(None, registry=tmp_path) as beside:
+            assert beside == 4 == torch.get_num_threads()
+            assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["0", "0"]  # the training counts it too
+        with cpu_share(3, registry=tmp_path) as fixed:
+            assert fixed == 3 == torch.get_num_threads()
+            assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["0", "3"]
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_gpu_workers_do_not_share(tmp_path: Path, eight_cores: None) -> None:

@@ -279,7 +279,8 @@ class DistributedConfig:
     )
     threads_per_process: Optional[int] = param(
         None, "CPU threads per process (null = cores / local world size, shared with other trainings on the "
-        "host; a set value is kept, and the others share the cores it leaves).", ge=1,
+        "host; a set value is kept, and the others share the cores it leaves); the evaluate and export stages' "
+        "threads too (null: their share of the host).", ge=1,
     )
     timeout_s: int = param(
         600, "Bound on every collective; a silent rank fails the job after this.", ge=1, trajectory=False

@@ -24,7 +24,8 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -92,6 +93,19 @@ class HostShare:
             return None
         torch.set_num_threads(threads)
         return threads
+
+
+@contextmanager
+def cpu_share(fixed_threads: int | None, registry: Path = REGISTRY) -> Iterator[int]:
+    """A CPU stage that is not a training (evaluate, export) takes its share of the host like one: registered for its
+    duration as one process, its intra-op threads ``fixed_threads`` (``distributed.threads_per_process``) or the cores
+    the trainings alive on the host leave it, set once and yielded. Alone on the host it takes every core; beside a
+    training, half; each thread more than the cores a process gets costs it many times over, spinning in OpenMP's
+    barriers (BENCHMARKS.md, "The test suite")."""
+    with HostShare(fixed_threads, 1, registry=registry) as share:
+        threads = share.threads() if share.entry is not None or fixed_threads else cpu_count()
+        torch.set_num_threads(threads)
+        yield threads
 
 
 def _claim(registry: Path, content: str) -> Path:

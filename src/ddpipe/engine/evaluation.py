@@ -23,6 +23,7 @@ from ddpipe.core.files import atomic_open, atomic_write_json, atomic_write_text
 from ddpipe.core.metric_names import TEST_ACCURACY, TEST_LOSS, TEST_MACRO_F1
 from ddpipe.data.loaders import BatchKey, Loader, Splits
 from ddpipe.data.store import PreparedDataError, load_meta
+from ddpipe.distributed.host_leases import cpu_share
 from ddpipe.engine.resolved import eval_batch_size, loader_workers
 from ddpipe.models.served import ImageClassifier
 from ddpipe.tracking.champion import test_split_digest
@@ -51,8 +52,13 @@ def evaluate(cfg: Config) -> dict:
     """Evaluate ``paths.model`` on the held-out test split and write every output.
 
     Predictions come from :class:`ImageClassifier` on the CPU, the code path of the logged MLflow
-    model, so a served model answers exactly what is measured here."""
-    torch.set_num_threads(cpu_count())
+    model, so a served model answers exactly what is measured here. Its CPU threads: its share of the host
+    (:func:`ddpipe.distributed.host_leases.cpu_share`)."""
+    with cpu_share(cfg.distributed.threads_per_process):
+        return _evaluate(cfg)
+
+
+def _evaluate(cfg: Config) -> dict:
     classifier = ImageClassifier.load(cfg.paths.model)
     test = TestSplit(cfg, classifier)
     batch = eval_batch_size(cfg.train, torch.device("cpu"), classifier.image_size[0])  # it runs there

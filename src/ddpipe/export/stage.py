@@ -19,10 +19,11 @@ import numpy as np
 import torch
 
 from ddpipe.config.schema import Config, ConfigError
-from ddpipe.core.devices import cpu_count, cpu_int8_kind
+from ddpipe.core.devices import cpu_int8_kind
 from ddpipe.core.files import atomic_write_json
 from ddpipe.data.loaders import BatchKey, Splits
 from ddpipe.data.store import PreparedDataError, load_meta
+from ddpipe.distributed.host_leases import cpu_share
 from ddpipe.engine.evaluation import TestSplit
 from ddpipe.engine.resolved import eval_batch_size, int8_target
 from ddpipe.export.check import latency, score
@@ -56,10 +57,14 @@ def check_before_work(cfg: Config) -> None:
 
 
 def export(cfg: Config) -> dict:
-    """Make, check and put in place every format of ``cfg.export``; its metrics (``paths.export_metrics``)."""
+    """Make, check and put in place every format of ``cfg.export``; its metrics (``paths.export_metrics``). Its CPU
+    threads: its share of the host (:func:`ddpipe.distributed.host_leases.cpu_share`), recorded (``threads``)."""
     check_before_work(cfg)
-    threads = cpu_count()
-    torch.set_num_threads(threads)
+    with cpu_share(cfg.distributed.threads_per_process) as threads:
+        return _export(cfg, threads)
+
+
+def _export(cfg: Config, threads: int) -> dict:
     classifier = ImageClassifier.load(cfg.paths.model)
     targets = {"onnx": Path(cfg.paths.onnx), **({"int8": Path(cfg.paths.onnx_int8)} if cfg.export.int8 else {})}
     Path(cfg.paths.onnx).parent.mkdir(parents=True, exist_ok=True)
