@@ -41,7 +41,7 @@ RUNS: list[tuple[str, int, list[str]]] = [
     ("exact-2", 2, ["distributed.exact=true"]),
     ("finetune-1", 1, ["model.weights={tmp}/pretrained/auto-1.pt", "train.freeze_body_epochs=1",
                        "train.body_lr_ratio=0.1", "train.grad_accum_steps=2", "train.optimizer=sgd",
-                       "train.checkpoint_every_steps=3", "train.export=last"]),
+                       "train.checkpoint_every_steps=3", "train.model_epoch=last"]),
     ("folder-1", 1, ["data.dataset=imagefolder", "data.source_dir={tmp}/images", "data.image_size=32",
                      "paths.prepared={tmp}/folder-prepared", "model.name=resnet_small",
                      # its 243 training images: below the batch auto picks on some CPUs (256 where AMX is)
@@ -155,6 +155,16 @@ def _diff(a: Any, b: Any, where: str) -> list[str]:
     return [] if a == b else [f"{where}: {a!r} != {b!r}"]
 
 
+def _new_names(recorded: Any) -> Any:
+    """A recording with renamed parameters (ddpipe.config.keys.RENAMED_KEYS) under their new names, so a recording
+    made before a rename compares with one made after it: the value is what must stay equal, not the name."""
+    from ddpipe.config.keys import RENAMED_KEYS
+
+    if isinstance(recorded, dict):
+        return {RENAMED_KEYS.get(k, k): _new_names(v) for k, v in recorded.items()}
+    return [_new_names(v) for v in recorded] if isinstance(recorded, list) else recorded
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -166,7 +176,7 @@ def main() -> None:
     if args.command == "record":
         record(args.out)
         return
-    before, after = (json.loads(recorded.read_text()) for recorded in (args.before, args.after))
+    before, after = (_new_names(json.loads(recorded.read_text())) for recorded in (args.before, args.after))
     diffs = _diff(before, after, "")
     print("\n".join(diffs) if diffs else "ALL EQUAL")
     sys.exit(1 if diffs else 0)

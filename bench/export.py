@@ -25,7 +25,7 @@ def paths(out: Path) -> list[str]:
     from tests.conftest import tiny_overrides
 
     return [a for a in tiny_overrides(out) if not a.startswith(("num_epochs", "model.width", "train.batch_size",
-                                                                "train.eval_batch", "train.export"))]
+                                                                "train.eval_batch", "train.model_epoch"))]
 
 
 def rows(metrics: dict, label: str) -> str:

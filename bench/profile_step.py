@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from ddpipe.distributed.group import init_distributed
 from ddpipe.engine.loop import Trainer
 from ddpipe.engine.meters import EpochMeter, EpochProgress
+from ddpipe.engine.parts import build_parts
 from ddpipe.engine.resolved import resolve
 from ddpipe.launch.torchrun import this_device
 
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg.paths.prepared = str(REPO / cfg.paths.prepared)  # an absolute path stays as it is
     run = resolve(cfg, this_device())
     info = init_distributed(cfg.distributed, run.backend)  # one plain process: its device, its threads
-    trainer = Trainer(run, info)
+    trainer = Trainer(build_parts(run, info))
     label_transform(trainer)
     steps, meter = micro_batches(trainer), EpochMeter(trainer.device, EpochProgress())
     trainer.model.train()

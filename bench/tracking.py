@@ -77,13 +77,14 @@ def step_costs(steps: int, tmp: Path) -> list[list[str]]:
     from ddpipe.engine.loop import Trainer
     from ddpipe.engine.meters import EpochMeter, EpochProgress, StepLog
     from ddpipe.engine.optimizer import grad_norm
+    from ddpipe.engine.parts import build_parts
     from ddpipe.engine.resolved import resolve
     from ddpipe.launch.torchrun import this_device
 
     cfg = config(["train.log_every_n_steps=0", "train.progress_bar=false"])
     cfg.paths.prepared = str(REPO / cfg.paths.prepared)
     run = resolve(cfg, this_device())
-    trainer = Trainer(run, init_distributed(cfg.distributed, run.backend))
+    trainer = Trainer(build_parts(run, init_distributed(cfg.distributed, run.backend)))
     meter = EpochMeter(trainer.device, EpochProgress())
     trainer.model.train()
     batches = iter(trainer.data.train_batches(0, 0, trainer.steps_per_epoch))

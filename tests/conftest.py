@@ -60,7 +60,7 @@ def tiny_overrides(tmp: Path) -> list[str]:
         f"mlflow.tracking_uri=sqlite:///{tmp}/mlflow.db", f"mlflow.outbox={tmp}/outbox",
         "model.width=8", "train.batch_size_per_rank=32", "train.eval_batch_size_per_rank=100",
         # tests compare trajectories (world sizes, threads, resumes) by the weights they end with
-        "train.export=last",
+        "train.model_epoch=last",
         # no pyfunc model logged into the run (a second of every training's end): the tests of the logged model,
         # its registration and its serving set mlflow.log_model=true
         "mlflow.log_model=false",

@@ -38,7 +38,7 @@ CLUSTER = "ddpipe cluster".split()
 # Every experiment single-threaded (the same arithmetic wherever it runs), 16 steps an epoch; one that is stopped
 # mid-epoch takes STEPPED's 128 steps an epoch, a checkpoint every 2, so that the stop finds it training
 SMALL = {"train.batch_size_per_rank": 64, "distributed.nproc_per_node": 1, "distributed.threads_per_process": 1,
-         "train.checkpoint_every_steps": 0, "train.export": "last", "mlflow.log_model": False,
+         "train.checkpoint_every_steps": 0, "train.model_epoch": "last", "mlflow.log_model": False,
          "mlflow.log_system_metrics": False, "cluster.cpus_per_node": 1, "cluster.time_limit": "30:00"}
 STEPPED = ("train.batch_size_per_rank=8", "train.checkpoint_every_steps=2")
 slurm_only = pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))

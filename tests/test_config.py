@@ -255,7 +255,7 @@ def test_trajectory_leaves_out_exactly_the_keys_a_run_may_resume_across() -> Non
         "distributed.rdzv_endpoint", "distributed.rdzv_id", "distributed.shutdown_timeout_s",
         "distributed.shared_memory", "train.progress_bar", "train.log_every_n_steps", "train.val_every_n_steps",
         "train.checkpoint_every_steps", "train.keep_checkpoints",
-        "train.eval_batch_size_per_rank", "train.export", "data.num_workers",
+        "train.eval_batch_size_per_rank", "train.model_epoch", "data.num_workers",
         "data.max_test_samples"}  # the test split: no training reads it
     expected = {k: v for k, v in flat.items() if k not in resumable}
     assert trajectory(cfg) == expected and list(trajectory(cfg)) == list(expected)
@@ -276,6 +276,19 @@ def test_unknown_keys_are_rejected_with_did_you_mean(override: str, unknown: str
     assert f"unknown key '{unknown}'" in message
     if suggestion:
         assert f"Did you mean '{suggestion}'" in message
+
+
+def test_a_renamed_key_is_refused_with_its_new_name_from_the_command_line_and_a_params_file(tmp_path: Path) -> None:
+    """train.export (which epoch's weights leave the run) is train.model_epoch: an old params.yaml or override is
+    refused naming the new key, never read as the new one nor met with a guess."""
+    old = tmp_path / "params.yaml"
+    old.write_text("train:\n  export: last\n")
+    for overrides, params_file, source in ((["train.export=last"], PARAMS, "command line"), ([], old, str(old))):
+        with pytest.raises(ConfigError) as err:
+            load_config(overrides, params_file=params_file)
+        assert str(err.value) == (f"{source}: 'train.export' is now 'train.model_epoch' (the same values); "
+                                  "set train.model_epoch instead")
+    assert load_config(["train.model_epoch=last"], params_file=PARAMS).train.model_epoch == "last"
 
 
 def test_bad_params_file_is_named(tmp_path: Path) -> None:

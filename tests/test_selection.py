@@ -86,7 +86,7 @@ def test_early_stopping_and_best_export_resume_exactly(tmp_path: Path, prepared:
     """Uninterrupted vs stopped by SIGTERM after its first checkpoint and resumed: the same epochs, the
     same best epoch, bit-identical exported weights. Then export=last rewrites the outputs from the
     same checkpoints (export does not change the trajectory) with the last epoch's weights."""
-    extra = ("num_epochs=6", "train.early_stopping_patience=1", "train.base_lr=0.02", "train.export=best")
+    extra = ("num_epochs=6", "train.early_stopping_patience=1", "train.base_lr=0.02", "train.model_epoch=best")
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     run(["python", "stages/train_worker.py", *args_for(whole, prepared, *extra)], env=CLONE_ENV)
     history = _history(whole)
@@ -110,7 +110,7 @@ def test_early_stopping_and_best_export_resume_exactly(tmp_path: Path, prepared:
     assert json.loads((parts / "train.json").read_text())["train"]["exported_epoch"] == best
     assert same_weights(weights(whole / "model.pt"), weights(parts / "model.pt"))
 
-    last = run(["python", "stages/train_worker.py", *args_for(whole, prepared, *extra, "train.export=last")],
+    last = run(["python", "stages/train_worker.py", *args_for(whole, prepared, *extra, "train.model_epoch=last")],
                env=CLONE_ENV)
     assert "already trained" in last.stdout
     assert json.loads((whole / "train.json").read_text())["train"]["exported_epoch"] == len(history)

@@ -147,7 +147,7 @@ def test_a_server_down_for_epochs_two_and_three_loses_nothing(server: Server, tm
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Stopped after epoch 1's checkpoint, started again after epoch 3's (the training paused meanwhile so that
     the server is back before it ends): the run then holds each epoch's metrics once, and FINISHED."""
-    args = args_for(tmp_path, prepared, "num_epochs=5", "mlflow.tracking_uri=null", "train.export=best",
+    args = args_for(tmp_path, prepared, "num_epochs=5", "mlflow.tracking_uri=null", "train.model_epoch=best",
                     "train.keep_checkpoints=5")
     proc = subprocess.Popen(["python", "-m", "ddpipe.launch", *args], cwd=ROOT,
                             env=subprocess_env(server.as_user("writer", WRITER_PW)), stdout=subprocess.PIPE,

@@ -73,7 +73,8 @@ def test_tracking_uri_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 
 @pytest.mark.slow
 def test_training_and_evaluation_make_one_complete_run(tmp_path: Path, prepared: Path) -> None:
-    args = args_for(tmp_path, prepared, "mlflow.experiment_name=unit", "train.export=best", "mlflow.log_model=true")
+    args = args_for(tmp_path, prepared, "mlflow.experiment_name=unit", "train.model_epoch=best",
+                    "mlflow.log_model=true")
     trained = run(["python", "stages/train_worker.py", *args],
                   env={"DVC_EXP_NAME": "my-exp", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"})
     run(["python", "stages/evaluate.py", *args])
@@ -112,7 +113,7 @@ def test_training_and_evaluation_make_one_complete_run(tmp_path: Path, prepared:
     assert any(k.startswith("system/node0/") for k in r.data.metrics), sorted(r.data.metrics)
     (dataset_input,) = client.get_run(r.info.run_id).inputs.dataset_inputs
     assert dataset_input.dataset.name == "mnist" and dataset_input.dataset.digest == dvc_hash(prepared)
-    # the exported epoch is the best validation epoch (train.export: best)
+    # the exported epoch is the best validation epoch (train.model_epoch: best)
     history = {h.step: h.value for h in client.get_metric_history(r.info.run_id, "val_accuracy")}
     assert r.data.metrics["exported_epoch"] == r.data.metrics["best_epoch"] == max(history, key=history.get)
 

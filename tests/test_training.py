@@ -219,7 +219,7 @@ def test_same_seed_twice_gives_the_same_metrics(tmp_path: Path, prepared: Path) 
 def _wrap_rank(rank: int, world: int) -> None:
     from ddpipe.core.ranks import DistInfo
     from ddpipe.distributed.batchnorm import convert_sync_batchnorm
-    from ddpipe.engine.loop import wrap
+    from ddpipe.engine.parts import wrap
 
     info = DistInfo(distributed=True, rank=rank, local_rank=rank, world_size=world, local_world_size=world,
                     num_nodes=1, device=torch.device("cpu"), backend="gloo", processes_on_host=world)

@@ -6,6 +6,7 @@ keys to others (a split that exists, an opset the exporter takes) are checked by
 from dataclasses import dataclass, field
 
 from ddpipe.config.param import ConfigError, param
+from ddpipe.config.rules import not_accepted
 
 FORMATS = ("onnx",)  # what export.formats names; the INT8 copy is export.int8's
 # export.int8_cpu: the CPUs an INT8 copy is made for (ddpipe.core.devices.cpu_int8_kind names the one that runs)
@@ -51,8 +52,6 @@ class ExportConfig:
 
 def check_export(cfg: ExportConfig, set_in: dict[str, str]) -> None:
     """The keys of ``export`` that a field's bounds cannot say: its lists' members and the calibration split."""
-    from ddpipe.config.rules import not_accepted
-
     def where(key: str) -> str | None:
         return set_in.get(f"export.{key}")
 

@@ -18,6 +18,9 @@ def _schema_fields(schema: type = Config, prefix: str = "") -> dict[str, datacla
 
 FIELDS = _schema_fields()
 
+# Keys that were renamed: the old name is refused with the new one (same values, same meaning), never silently read
+RENAMED_KEYS = {"train.export": "train.model_epoch"}
+
 
 def is_section(key: str) -> bool:
     return key in FIELDS and dataclasses.is_dataclass(FIELDS[key].type)

@@ -22,7 +22,7 @@ from omegaconf._utils import get_yaml_loader
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from ddpipe.config.checks import validate
-from ddpipe.config.keys import FIELDS, flatten_mapping, is_section
+from ddpipe.config.keys import FIELDS, RENAMED_KEYS, flatten_mapping, is_section
 from ddpipe.config.rules import accepted, not_accepted
 from ddpipe.config.schema import Config, ConfigError
 
@@ -134,7 +134,10 @@ def _set(cfg: DictConfig, key: str, value: Any, source: str) -> None:
 
 def _unknown_key(cfg: DictConfig, key: str, source: str) -> str:
     """The message for a key the schema lacks, with the closest known key at its level (OmegaConf
-    says only "Key 'base_lrr' not in 'TrainConfig'")."""
+    says only "Key 'base_lrr' not in 'TrainConfig'"), or its new name when it was renamed."""
+    if key in RENAMED_KEYS:
+        return (f"{source}: '{key}' is now '{RENAMED_KEYS[key]}' (the same values); set {RENAMED_KEYS[key]} "
+                "instead")
     section, _, name = key.rpartition(".")
     known = list(OmegaConf.select(cfg, section) if section else cfg)
     prefix = f"{section}." if section else ""

@@ -7,7 +7,7 @@ import math
 import operator
 from typing import Any, get_args
 
-from ddpipe.config.schema import ConfigError
+from ddpipe.config.param import ConfigError
 
 # ---------------------------------------------------------------------------------------------
 # What each key accepts (OmegaConf checks types only; bounds, choices and finiteness are ours)

@@ -229,7 +229,7 @@ class TrainConfig:
         trajectory=False,
     )
     keep_checkpoints: int = param(2, "How many newest checkpoints to keep.", ge=1, trajectory=False)
-    export: str = param(
+    model_epoch: str = param(
         "best", "Which weights become paths.model and the logged model: the epoch with the best validation "
         "accuracy (the earliest on ties) or the last epoch.", choices=("best", "last"), trajectory=False,
     )
@@ -300,7 +300,7 @@ class MlflowConfig:
     )
     experiment_name: str = param("ddpipe", "MLflow experiment the runs are filed under.")
     log_model: bool = param(
-        True, "Log the exported model (train.export) as an MLflow pyfunc model that takes images as clients have "
+        True, "Log the exported model (train.model_epoch) as an MLflow pyfunc model that takes images as clients have "
         "them and returns class probabilities and names, and the export stage's fp32 graph as model_onnx.")
     registered_model_name: Optional[str] = param(
         None, "Also register the logged model under this name (a version tagged with the DVC experiment and "

@@ -7,7 +7,6 @@ processes), or ``python stages/train_worker.py`` for one plain process (no proce
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import os
 import sys
@@ -17,65 +16,40 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpipe.core.devices import PrecisionPolicy, cuda_kernels
+from ddpipe.core.devices import PrecisionPolicy
 from ddpipe.core.exits import Preempted
 from ddpipe.core.ranks import DistInfo
 from ddpipe.distributed import group as dd
-from ddpipe.distributed.batchnorm import CPUSyncBatchNorm
-from ddpipe.distributed.exact import clip_grad_norm_ as exact_clip_grad_norm_
 from ddpipe.distributed.host_leases import HostShare
 from ddpipe.distributed.preemption import StopRequests, follow_launcher
-from ddpipe.engine.assembly import Network, build_network
-from ddpipe.engine.checkpoint import Checkpointer, Position, run_fingerprint
+from ddpipe.engine.checkpoint import Position
 from ddpipe.engine.ema import WeightAverage
-from ddpipe.engine.meters import EpochMeter, EpochProgress, EpochStats, StepLog, final_metrics, measure_split
-from ddpipe.engine.objective import Objective
-from ddpipe.engine.optimizer import Diverged, Optimization
+from ddpipe.engine.meters import EpochMeter, EpochProgress, EpochStats, final_metrics, measure_split
+from ddpipe.engine.optimizer import Diverged
+from ddpipe.engine.parts import TrainingParts, build_parts, wrap
 from ddpipe.engine.progress import make_progress
 from ddpipe.engine.pruning import after_stop as search_trial_after_stop
 from ddpipe.engine.pruning import after_validation as search_trial_after_validation
 from ddpipe.engine.pruning import validation_number
 from ddpipe.engine.resolved import Resolved
-from ddpipe.engine.selection import ModelSelection
 from ddpipe.engine.stage_outputs import TrainingOutputs, hold_training, save_outputs, write_progress
-from ddpipe.models.nets import global_pools_as_reductions
 from ddpipe.tracking.system_metrics import NoSystemMetrics, monitor_node
-from ddpipe.tracking.tracker import make_tracker
 
 
 class Trainer:
-    """Builds everything from the resolved config, then ``fit()`` trains, validates and checkpoints."""
+    """Trains the parts it is handed (:func:`ddpipe.engine.parts.build_parts`): ``fit()`` trains, validates and
+    checkpoints."""
 
-    def __init__(self, run: Resolved, info: DistInfo, stops: StopRequests | None = None,
-                 share: HostShare | None = None) -> None:
-        cfg, tc = run.cfg, run.cfg.train
-        self.run, self.cfg, self.info, self.device = run, cfg, info, info.device
-        self.stops = stops or StopRequests(info, cfg.distributed.timeout_s)  # asked at every step
-        self.share = share or HostShare(cfg.distributed.threads_per_process, info.processes_on_host, enabled=False)
-        self.compute = run.compute_on(info.device)
-        cuda_kernels(info.device, run.deterministic)
-        network, self.module = placed_network(run, info, self.compute)
-        self.finetune, self.pretrained = network.finetune, network.weights
-        meta = replace(run.meta, mean=network.mean, std=network.std)  # the input the network expects
-        self.num_workers = run.loader_workers(self.share.cores(info.device))
-        self.data = run.training_data(meta, self.compute, rank=info.rank, world_size=info.world_size,
-                                      num_workers=self.num_workers)
-        self.model = wrap(self.module, info, tc.compile)
-        self.objective = Objective(tc, self.data, info.device)
-        self.ema = WeightAverage(self.module, tc.ema_decay) if tc.ema_decay is not None else None
-        self.steps_per_epoch = run.steps_per_epoch(info.world_size)
-        self.step_log = StepLog(tc.log_every_n_steps, self.steps_per_epoch, info)
-        self.optim = Optimization(tc, lambda lr: self.finetune.param_groups(self.module, lr), info.world_size,
-                                  self.steps_per_epoch, cfg.num_epochs, self.compute.grad_scaler(),
-                                  exact_clip_grad_norm_ if cfg.distributed.exact else nn.utils.clip_grad_norm_)
-        self.tracker, self.system = make_tracker(cfg.mlflow, info), NoSystemMetrics()
-        self.selection = ModelSelection(tc)
-        fp = run_fingerprint(run.trajectory(), run.global_batch_size(info.world_size), self.optim.effective_lr,
-                             asdict(meta))
-        self.checkpointer = Checkpointer(cfg.paths.checkpoints, fp, tc.keep_checkpoints, info)
+    def __init__(self, parts: TrainingParts) -> None:
+        p = parts
+        self.run, self.cfg, self.info, self.device = p.run, p.run.cfg, p.info, p.info.device
+        self.stops, self.share, self.compute, self.num_workers = p.stops, p.share, p.compute, p.num_workers
+        self.module, self.model, self.data, self.objective, self.ema = p.module, p.model, p.data, p.objective, p.ema
+        self.finetune, self.pretrained = p.network.finetune, p.network.weights
+        self.steps_per_epoch, self.step_log, self.optim = p.steps_per_epoch, p.step_log, p.optim
+        self.tracker, self.system, self.selection = p.tracker, NoSystemMetrics(), p.selection
+        self.checkpointer = p.checkpointer
         self.parts = {"model": self.module, **self.optim.parts(), "selection": self.selection,  # checkpointed
                       **({"ema": self.ema} if self.ema else {})}
         self.history: list[EpochStats] = []
@@ -207,20 +181,6 @@ class Trainer:
         return metrics
 
 
-def placed_network(run: Resolved, info: DistInfo, compute: PrecisionPolicy) -> tuple[Network, nn.Module]:
-    """The run's network and its module on this rank's device, with the same initial weights on every rank. Nothing
-    in training draws from the global RNG after this (augmentation is keyed by seed, epoch and sample, its v2
-    policies under a seeded generator put back after each image; the samplers seed their own generators): a layer
-    that did (Dropout) would draw the same numbers on every rank."""
-    torch.manual_seed(run.cfg.seed)
-    network = build_network(run, info)
-    for line in network.notes:
-        dd.print0(line, info=info)
-    if run.deterministic_kernels(info.device):
-        global_pools_as_reductions(network.module)
-    return network, compute.place(network.module)
-
-
 def epoch_steps(t: Trainer, epoch: int, start_step: int) -> Iterator[tuple[int, list[tuple]]]:
     """The optimizer steps of ``epoch`` from ``start_step`` on this rank: each one's number (from 1) and its
     ``grad_accum_steps`` micro-batches (a new shuffle and new shards every epoch; a resumed epoch starts at its step).
@@ -338,23 +298,6 @@ def in_steps(loader: Iterable[tuple], accum: int) -> Iterator[list[tuple]]:
         yield step
 
 
-def wrap(module: nn.Module, info: DistInfo, compile_model: bool) -> nn.Module:
-    """DDP under a process group (its gradients summed as ``ddpipe.distributed`` sums), then torch.compile if
-    asked."""
-    model = module
-    if info.distributed:
-        # CPUSyncBatchNorm (ExactBatchNorm too) updates its running statistics from sums every rank gets
-        # bit for bit, so they never differ between ranks: DDP's broadcast of them from rank 0 before
-        # every forward (a blocking gloo collective per step) would copy equal bits.
-        own_buffers = [m for m in module.modules() if list(m.buffers(recurse=False))]
-        equal_buffers = all(isinstance(m, CPUSyncBatchNorm) for m in own_buffers)
-        # torch 2.14 names it forward_sync_buffers (and deprecates broadcast_buffers); older torch has only the latter
-        flag = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters \
-            else "broadcast_buffers"
-        model = dd.wrap_ddp(module, info, **{flag: not equal_buffers})
-    return torch.compile(model) if compile_model else model
-
-
 def train(run: Resolved) -> dict[str, float]:
     """Set up this process, train ``run``, and always tear the process group down. ``run``: the config resolved
     for this process (the train stage's worker resolves and checks it first:
@@ -371,7 +314,7 @@ def train(run: Resolved) -> dict[str, float]:
         run.check_world_size(info.world_size)  # the job formed: an epoch has an optimizer step at its size
         share = HostShare(cfg.distributed.threads_per_process, info.processes_on_host, info.device.type == "cpu")
         with StopRequests(info, cfg.distributed.timeout_s) as stops, share:
-            trainer = Trainer(run, info, stops, share)
+            trainer = Trainer(build_parts(run, info, stops, share))
             return trainer.fit()
     except BaseException as exc:
         if isinstance(exc, Diverged) and info.is_main:  # its one line first, before what a stop could cut short

@@ -22,7 +22,7 @@ class ModelSelection:
     accuracy is its better candidate's: the raw weights', or their average's when that is higher."""
 
     def __init__(self, cfg: TrainConfig) -> None:
-        self.export, self.patience = cfg.export, cfg.early_stopping_patience
+        self.model_epoch, self.patience = cfg.model_epoch, cfg.early_stopping_patience
         self.best_epoch = 0
         self.best_val_accuracy = float("-inf")
         self.best_weights: dict[str, torch.Tensor] = {}
@@ -64,8 +64,8 @@ class ModelSelection:
 
     @property
     def _best_kept(self) -> bool:
-        """The best epoch's copy is what leaves (train.export = best, once an epoch was validated)."""
-        return self.export == "best" and bool(self.best_weights)
+        """The best epoch's copy is what leaves (train.model_epoch = best, once an epoch was validated)."""
+        return self.model_epoch == "best" and bool(self.best_weights)
 
     def state_dict(self) -> dict[str, object]:
         """For the checkpoint (tensors, numbers and words only, so ``weights_only`` loading accepts it)."""

@@ -264,7 +264,7 @@ def _log_pyfunc(mlflow: Any, code: Path, model_path: Path, input_example: Any, m
 def _has_model(mlflow: Any, run_id: str, exported_epoch: Any) -> bool:
     """Whether run ``run_id`` already holds a completely logged ``model`` of the same exported epoch (a re-run of
     a finished training, e.g. ``dvc repro`` after a code-only change, rewrites its outputs from the last
-    checkpoint and must not log a second copy; one with train.export changed must)."""
+    checkpoint and must not log a second copy; one with train.model_epoch changed must)."""
     run = mlflow.get_run(run_id)
     if run.data.tags.get("ddpipe.logged_model_epoch") != str(exported_epoch):
         return False
