@@ -8,7 +8,10 @@
     ddpipe config [key=value ...] | --schema | --docs    params.yaml checked and shown; every parameter
 
 ``ddpipe SUBCOMMAND --help`` says more. ``python -m ddpipe.launch``, ``python -m ddpipe.search`` and ``python -m
-ddpipe.config`` are the same commands as before.
+ddpipe.config`` are the same commands as before. ``python -m ddpipe.cluster``, ``ddpipe.outbox`` and ``ddpipe.sweeps``
+(shims at the package root, before this command) are gone: Python answers "No module named ddpipe.cluster", before
+any code of ours runs, so nothing can name the new spelling there: ``ddpipe cluster`` (or ``python -m ddpipe
+cluster``).
 """
 
 from __future__ import annotations
