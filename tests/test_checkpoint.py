@@ -217,7 +217,7 @@ def test_a_checkpoint_written_before_format_versions_resumes_as_it_did(tmp_path:
     fp = "abcdef012345"
     _saved_before_format_versions(tmp_path, fp, ckpt.Position(1, 3), state)
 
-    fresh, sel = torch.nn.Linear(4, 2), ModelSelection(TrainConfig(export="best"))
+    fresh, sel = torch.nn.Linear(4, 2), ModelSelection(TrainConfig(model_epoch="best"))
     pos, loaded = ckpt.Checkpointer(tmp_path, fp, 2, DistInfo()).restore({"model": fresh, "selection": sel})
     assert pos == ckpt.Position(1, 3) and loaded["run_id"] == "abc123"
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))

@@ -22,7 +22,7 @@ from tests.conftest import CLONE_ENV, ROOT, args_for, run, same_weights, subproc
 
 
 def test_the_best_epoch_is_kept_and_ties_keep_the_earliest() -> None:
-    sel, model = ModelSelection(TrainConfig(export="best", early_stopping_patience=2)), nn.Linear(2, 1)
+    sel, model = ModelSelection(TrainConfig(model_epoch="best", early_stopping_patience=2)), nn.Linear(2, 1)
     for epoch, acc in enumerate([0.5, 0.7, 0.7, 0.6], start=1):
         with torch.no_grad():
             model.weight.fill_(epoch)
@@ -30,7 +30,7 @@ def test_the_best_epoch_is_kept_and_ties_keep_the_earliest() -> None:
         assert sel.should_stop(epoch) == (epoch == 4)  # 2 epochs after the best (epoch 2)
     exported, epoch, source = sel.exported(model, 4)
     assert epoch == 2 and source == "raw" and torch.equal(exported["weight"], torch.full((1, 2), 2.0))
-    last, last_epoch, _ = ModelSelection(TrainConfig(export="last")).exported(model, 4)
+    last, last_epoch, _ = ModelSelection(TrainConfig(model_epoch="last")).exported(model, 4)
     assert last_epoch == 4 and torch.equal(last["weight"], model.weight)
 
 
@@ -40,7 +40,7 @@ def test_the_weight_average_is_exported_only_when_it_validates_better() -> None:
     with torch.no_grad():
         model.weight.fill_(3.0)  # the average stays behind the raw weights
     for export in ("best", "last"):
-        sel = ModelSelection(TrainConfig(export=export))
+        sel = ModelSelection(TrainConfig(model_epoch=export))
         sel.update(1, 0.8, model, ema, 0.8)  # a tie keeps the raw weights
         assert sel.exported(model, 1, ema)[2] == "raw"
         sel.update(2, 0.8, model, ema, 0.85)
@@ -66,10 +66,10 @@ def test_a_selection_checkpointed_before_weight_averaging_exports_the_raw_weight
     its best weights were the raw ones, and they are exported as such."""
     from ddpipe.engine.checkpoint import upgraded
 
-    sel, model = ModelSelection(TrainConfig(export="best")), nn.Linear(2, 1)
+    sel, model = ModelSelection(TrainConfig(model_epoch="best")), nn.Linear(2, 1)
     sel.update(3, 0.9, model)
     old = {k: v for k, v in sel.state_dict().items() if k not in ("best_source", "last_source")}
-    again = ModelSelection(TrainConfig(export="best"))
+    again = ModelSelection(TrainConfig(model_epoch="best"))
     again.load_state_dict(upgraded({"selection": old}, 0)["selection"])
     assert (again.best_epoch, again.best_source, again.last_source) == (3, "raw", "raw")
     weights, epoch, source = again.exported(model, 5)
@@ -84,8 +84,8 @@ def _history(tmp: Path) -> list[dict[str, float]]:
 @pytest.mark.slow
 def test_early_stopping_and_best_export_resume_exactly(tmp_path: Path, prepared: Path) -> None:
     """Uninterrupted vs stopped by SIGTERM after its first checkpoint and resumed: the same epochs, the
-    same best epoch, bit-identical exported weights. Then export=last rewrites the outputs from the
-    same checkpoints (export does not change the trajectory) with the last epoch's weights."""
+    same best epoch, bit-identical exported weights. Then model_epoch=last rewrites the outputs from the
+    same checkpoints (model_epoch does not change the trajectory) with the last epoch's weights."""
     extra = ("num_epochs=6", "train.early_stopping_patience=1", "train.base_lr=0.02", "train.model_epoch=best")
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     run(["python", "stages/train_worker.py", *args_for(whole, prepared, *extra)], env=CLONE_ENV)
