@@ -22,7 +22,7 @@ from pathlib import Path
 
 from common import REPO, append_jsonl, clone_checkout, markdown_table, print_machine, run_in_clone
 from omegaconf import OmegaConf
-from search_compare import COMMON, measure, set_seed, tested_once
+from search_compare import COMMON, add_all, measure, set_seed, tested_once
 
 TODAY = OmegaConf.load(REPO / "params.yaml")
 DEFAULTS = {"train.base_lr": TODAY.train.base_lr, "model.name": TODAY.model.name}
@@ -40,7 +40,7 @@ def commit_params(clone: Path, params: dict, message: str) -> None:
     for key, value in params.items():
         OmegaConf.update(cfg, key, value, merge=False)
     OmegaConf.save(cfg, clone / "params.yaml")
-    run_in_clone(["git", "add", "-A"], clone)
+    add_all(clone)
     if run_in_clone(["git", "status", "--porcelain"], clone)[0].strip():
         run_in_clone(["git", "commit", "-qm", message], clone)
 

@@ -28,7 +28,7 @@ import os
 import statistics
 from pathlib import Path
 
-from common import append_jsonl, clone_checkout, markdown_table, print_machine, run_in_clone
+from common import BenchError, append_jsonl, clone_checkout, markdown_table, print_machine, run_in_clone
 from omegaconf import OmegaConf
 
 COMMON = {"data.max_train_samples": 2500, "data.val_fraction": 0.05, "num_epochs": 6, "train.batch_size_per_rank": 64,
@@ -50,9 +50,19 @@ def set_seed(clone: Path, seed: int) -> None:
         params.seed = seed
         OmegaConf.save(params, clone / "params.yaml")
     run_in_clone(["dvc", "repro", "prepare"], clone)
-    run_in_clone(["git", "add", "-A"], clone)
+    add_all(clone)
     if run_in_clone(["git", "status", "--porcelain"], clone)[0].strip():
         run_in_clone(["git", "commit", "-qm", f"bench: seed {seed}"], clone)
+    committed = OmegaConf.create(run_in_clone(["git", "show", "HEAD:params.yaml"], clone)[0]).seed
+    if committed != seed:
+        raise BenchError(f"{clone}: the commit holds seed {committed}, not {seed}")
+
+
+def add_all(clone: Path) -> None:
+    """Every change of the clone's working tree staged, params.yaml read afresh: rewritten within the second of the
+    last commit at the same size ("seed: 1" -> "seed: 2"), git's stat check takes it for unchanged."""
+    run_in_clone(["git", "add", "-A"], clone)
+    run_in_clone(["git", "add", "--renormalize", "params.yaml"], clone)
 
 
 def tested_once(clone: Path, experiment: str) -> float | None:
