@@ -109,7 +109,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     variables that would redirect ddpipe's outputs or tracking, plus ``extra``."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("MLFLOW_TRACKING_URI", "DVC_ROOT", "DVC_EXP_NAME", "PYTHONPATH")}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PATH"] = f"{Path(sys.executable).absolute().parent}{os.pathsep}{env.get('PATH', '')}"  # absolute: runs chdir
     return {**env, **extra}
 
 

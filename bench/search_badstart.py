@@ -4,6 +4,7 @@ against today's defaults tested once at the same epochs, for each seed; then a t
 best (a budget of 2 epochs): a 12-trial study from the defaults, its chosen trial against them, each tested once.
 
     python bench/search_badstart.py [--clone /tmp/badstart-clone] [--seeds 0,1,2] [--trials 12] [--few-seed 0]
+                                    [--space wide|documented] [--train-images 2500]
 
 A clone of this checkout with search_compare.py's COMMON params (2,500 training images, 3,000 validation images, 6
 epochs, one thread per training, 2 trials at once), reproduced once. Per seed: the seed and the bad start committed
@@ -12,6 +13,11 @@ today's defaults (``train.base_lr`` and ``model.name`` as this checkout's params
 experiment of the train stage. A trial never sees the test split: the study's best trial (by ``val_accuracy``) and
 the defaults' experiment are each tested once after the study (``dvc exp apply``, ``dvc repro evaluate``). Prints the
 machine and Markdown tables; appends to bench/results/search_badstart.jsonl. The clone is kept.
+
+``--space``: the learning rate's range in the bad start's space, ``wide`` (5 decades, 1e-5 to 1) or ``documented``
+(1e-4 to 1e-1, the range README and docs/search.md suggest); the network and label smoothing the same in both.
+``--train-images``: ``data.max_train_samples`` of a new clone (more images: trainings whose test accuracy varies less
+between near-equal params).
 """
 
 from __future__ import annotations
@@ -26,9 +32,12 @@ from search_compare import COMMON, add_all, measure, set_seed, tested_once
 
 TODAY = OmegaConf.load(REPO / "params.yaml")
 DEFAULTS = {"train.base_lr": TODAY.train.base_lr, "model.name": TODAY.model.name}
-BAD_START = {"train.base_lr": TODAY.train.base_lr / 30, "model.name": "seed_cnn"}
-BAD_SPACE = {"train.base_lr": "loguniform(1e-5, 1.0)", "model.name": "choice(seed_cnn, resnet_compact, resnet_small)",
+BAD_START = {"train.base_lr": TODAY.train.base_lr / 30, "model.name": "seed_cnn", "num_epochs": COMMON["num_epochs"]}
+BAD_SPACES = {"wide": {"train.base_lr": "loguniform(1e-5, 1.0)"},
+              "documented": {"train.base_lr": "loguniform(1e-4, 1e-1)"}}
+BAD_SPACE = {"model.name": "choice(seed_cnn, resnet_compact, resnet_small)",
              "train.label_smoothing": "uniform(0.0, 0.3)"}
+STUDY_PREFIX = {"wide": "bad", "documented": "baddoc"}  # the wide space's studies keep their first names
 FEW_EPOCHS = {"num_epochs": 2, **DEFAULTS}
 FEW_SPACE = {"train.base_lr": "loguniform(1e-4, 1.0)", "train.warmup_epochs": "uniform(0.0, 1.0)",
              "train.label_smoothing": "uniform(0.0, 0.3)"}
@@ -67,21 +76,28 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--trials", type=int, default=12)
     parser.add_argument("--few-seed", type=int, default=0, help="the seed of the 2-epoch task (-1: skip it)")
+    parser.add_argument("--space", choices=sorted(BAD_SPACES), default="wide",
+                        help="the bad start's learning-rate range: 1e-5 to 1 (wide) or 1e-4 to 1e-1 (documented)")
+    parser.add_argument("--train-images", type=int, default=COMMON["data.max_train_samples"],
+                        help="data.max_train_samples of a new clone (an existing clone keeps its own)")
     args = parser.parse_args()
     print_machine()
     clone = args.clone.resolve()
     if not (clone / ".git").is_dir():
         clone.mkdir(parents=True)
-        clone_checkout(clone, COMMON, "bench: a search from a bad start")
+        clone_checkout(clone, {**COMMON, "data.max_train_samples": args.train_images},
+                       "bench: a search from a bad start")
     results = []
     for seed in (int(s) for s in args.seeds.split(",")):
-        commit_params(clone, {**BAD_START, "search.space": BAD_SPACE}, "bench: the bad start")
+        space = {**BAD_SPACES[args.space], **BAD_SPACE}
+        commit_params(clone, {**BAD_START, "search.space": space}, f"bench: the bad start, {args.space} space")
         set_seed(clone, seed)
-        result = {"task": "bad start", "seed": seed, **study(clone, f"bad-s{seed}", args.trials),
+        name = f"{STUDY_PREFIX[args.space]}-s{seed}"
+        result = {"task": f"bad start, {args.space} space", "seed": seed, **study(clone, name, args.trials),
                   "reference": "defaults", "reference_test": defaults_tested(clone, f"defaults-s{seed}")}
         results.append(result)
         append_jsonl("search_badstart", [result])
-        print(f"bad-s{seed}: best trial {result['best_number']} test {result['best_test']}, defaults "
+        print(f"{name}: best trial {result['best_number']} test {result['best_test']}, defaults "
               f"{result['reference_test']}", flush=True)
     if args.few_seed >= 0:
         commit_params(clone, {**FEW_EPOCHS, "search.space": FEW_SPACE}, "bench: a budget of 2 epochs")

@@ -2,10 +2,11 @@
 same 24-trial budget, the same space, the same first trial (the params as they stand: today's defaults); what each
 costs and what its best trial reaches.
 
-    python bench/search_compare.py [--clone /tmp/compare-clone] [--seeds 0,1,2] [--trials 24]
+    python bench/search_compare.py [--clone /tmp/compare-clone] [--seeds 0,1,2] [--trials 24] [--train-images 2500]
 
 A clone of this checkout (its tracked and unignored files, a fresh git repo, this checkout's code), its params set to
-COMMON (a few thousand training images, a few epochs, one thread per training, 2 trials at once), reproduced once.
+COMMON (a few thousand training images, a few epochs, one thread per training, 2 trials at once), reproduced once;
+``--train-images`` sets ``data.max_train_samples`` of a new clone (an epoch's length against a trial's fixed cost).
 For each seed (``seed`` in params.yaml: the sampler's seed, and the data split's and the training's) the data is
 prepared and committed, then the two studies run (a study already in the clone is continued: finished, it runs
 nothing), one after the other, with ``ddpipe search run``.
@@ -115,12 +116,15 @@ def main() -> None:
     parser.add_argument("--clone", type=Path, default=Path("/tmp/compare-clone"))
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--trials", type=int, default=24)
+    parser.add_argument("--train-images", type=int, default=COMMON["data.max_train_samples"],
+                        help="data.max_train_samples of a new clone (an existing clone keeps its own)")
     args = parser.parse_args()
     print_machine()
     clone = args.clone.resolve()
     if not (clone / ".git").is_dir():
         clone.mkdir(parents=True)
-        clone_checkout(clone, COMMON, "bench: TPE with pruning against random search")
+        clone_checkout(clone, {**COMMON, "data.max_train_samples": args.train_images},
+                       "bench: TPE with pruning against random search")
     results = []
     for seed in (int(s) for s in args.seeds.split(",")):
         set_seed(clone, seed)

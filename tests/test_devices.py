@@ -3,6 +3,8 @@ CPU cannot run."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -18,6 +20,26 @@ CPU = torch.device("cpu")
 def test_auto_precision_on_cpu_follows_the_cpu() -> None:
     assert resolve_precision("auto", CPU) == ("bf16" if cpu_supports_bf16() else "fp32")
     assert resolve_precision("fp32", CPU) == "fp32" and resolve_precision("bf16", CPU) == "bf16"
+
+
+def test_kernels_held_to_avx2_resolve_auto_as_an_avx2_cpu_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA), or PyTorch's kernels (ATEN_CPU_CAPABILITY, read when torch loads: a
+    new process): no bf16, no AMX, whatever /proc/cpuinfo says; oneDNN held to AVX512_CORE_BF16 keeps bf16 only."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
+    assert resolve_precision("auto", CPU) == "fp32" and resolve_run.device_kind(CPU) == "cpu"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    from ddpipe.core.devices import cpu_has_amx
+
+    assert not cpu_has_amx()
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    probe = ("import torch; from ddpipe.engine.resolved import resolve_precision, device_kind; "
+             "print(resolve_precision('auto', torch.device('cpu')), device_kind(torch.device('cpu')))")
+    said = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"},
+                          capture_output=True, text=True, check=True).stdout.split()
+    assert said == ["fp32", "cpu"]
 
 
 def test_fp16_needs_a_gpu() -> None:

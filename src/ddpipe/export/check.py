@@ -2,11 +2,15 @@
 model it came from (the evaluate stage's code path, ``ddpipe.models.served.ImageClassifier``), and timed on the CPU.
 
 Per format: test accuracy, the share of test images whose top-1 class equals PyTorch's (``agreement``), the largest
-difference of any class probability, the file's size, and latency p50/p99 in milliseconds at each of
-``export.latency_batch_sizes`` (images from the test split, after untimed warm-up runs)."""
+difference of any class probability, the file's size, and latency in milliseconds at each of
+``export.latency_batch_sizes`` (images from the test split): the first call apart (``first``), then after untimed
+warm-up runs the timed ones in :data:`LATENCY_ROUNDS` rounds, ``p50`` the best round's median (a burst of other work
+during one round does not move it) and ``p99`` over them all. :class:`HostLoad` says what else the host ran meanwhile:
+latencies taken beside other work are marked so in the metrics, not passed off as the model's."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,7 +21,9 @@ import numpy as np
 from ddpipe.models.onnx_served import OnnxClassifier
 from ddpipe.models.served import ImageClassifier
 
-WARMUP_RUNS = 3
+WARMUP_RUNS = 3  # untimed runs before the timed ones, the first of them reported apart (``first``)
+LATENCY_ROUNDS = 3  # the timed runs cut into this many rounds: p50 is the lowest of their medians
+BUSY_CORES = 0.25  # other processes' mean busy cores while timing, from which the latencies are marked busy
 
 
 @dataclass
@@ -62,18 +68,55 @@ def score(batches: Callable[[], object], classifier: ImageClassifier, graphs: di
 
 def latency(run: Callable[[np.ndarray], object], images: np.ndarray, sizes: list[int], runs: int
             ) -> dict[str, dict[str, float]]:
-    """p50 and p99 milliseconds of ``run`` on a batch of each size in ``sizes`` (cut from ``images``, repeated when
-    the split is smaller), after :data:`WARMUP_RUNS` untimed runs."""
+    """Milliseconds of ``run`` on a batch of each size in ``sizes`` (cut from ``images``, repeated when the split is
+    smaller): ``first`` (the first call: allocations, kernel choice), then, after the rest of :data:`WARMUP_RUNS`,
+    ``runs`` timed in :data:`LATENCY_ROUNDS` rounds: ``p50`` the lowest round median, ``p99`` over all runs."""
     out = {}
     for size in sizes:
         batch = np.ascontiguousarray(np.resize(images, (size, *images.shape[1:])))
-        for _ in range(WARMUP_RUNS):
+        first = _milliseconds(run, batch)
+        for _ in range(WARMUP_RUNS - 1):
             run(batch)
-        times = []
-        for _ in range(runs):
-            start = time.perf_counter()
-            run(batch)
-            times.append((time.perf_counter() - start) * 1000)
-        out[f"batch_{size}"] = {"p50": round(float(np.percentile(times, 50)), 3),
-                                "p99": round(float(np.percentile(times, 99)), 3)}
+        times = [_milliseconds(run, batch) for _ in range(runs)]
+        rounds = [r for r in np.array_split(np.asarray(times), min(LATENCY_ROUNDS, runs)) if len(r)]
+        out[f"batch_{size}"] = {"p50": round(float(min(np.median(r) for r in rounds)), 3),
+                                "p99": round(float(np.percentile(times, 99)), 3), "first": round(first, 3)}
     return out
+
+
+def _milliseconds(run: Callable[[np.ndarray], object], batch: np.ndarray) -> float:
+    start = time.perf_counter()
+    run(batch)
+    return (time.perf_counter() - start) * 1000
+
+
+class HostLoad:
+    """What the rest of the host ran while a block of timing ran: ``with HostLoad() as load: ...``, then
+    ``load.figures()``: the 1-minute load average at the end and the cores other processes kept busy on average
+    (the host's busy CPU time from ``/proc/stat`` less this process's own, over the wall time), with ``busy`` when
+    that reaches :data:`BUSY_CORES`. Where ``/proc/stat`` is missing, the load average only."""
+
+    def __enter__(self) -> HostLoad:
+        self.start = (time.perf_counter(), time.process_time(), _host_busy_seconds())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end = (time.perf_counter(), time.process_time(), _host_busy_seconds())
+
+    def figures(self) -> dict:
+        out = {"load_average": round(os.getloadavg()[0], 2)} if hasattr(os, "getloadavg") else {}
+        (wall0, own0, host0), (wall1, own1, host1) = self.start, self.end
+        if host0 is None or host1 is None or wall1 <= wall0:
+            return out
+        others = max(0.0, ((host1 - host0) - (own1 - own0)) / (wall1 - wall0))
+        return {**out, "others_busy_cores": round(others, 2), "busy": others >= BUSY_CORES}
+
+
+def _host_busy_seconds() -> float | None:
+    """The CPU seconds all cores spent busy since boot (``/proc/stat``: every state but idle and iowait), or None."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    ticks = [int(f) for f in fields[:8]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")

@@ -26,7 +26,7 @@ from ddpipe.data.store import PreparedDataError, load_meta
 from ddpipe.distributed.host_leases import cpu_share
 from ddpipe.engine.evaluation import TestSplit
 from ddpipe.engine.resolved import eval_batch_size, int8_target
-from ddpipe.export.check import latency, score
+from ddpipe.export.check import HostLoad, latency, score
 from ddpipe.export.graph import export_onnx
 from ddpipe.export.int8 import CALIBRATION_BATCH, quantize
 from ddpipe.models.onnx_served import OnnxClassifier
@@ -121,11 +121,15 @@ def measure(cfg: Config, classifier: ImageClassifier, graphs: dict[str, Path], t
     sizes, runs = list(cfg.export.latency_batch_sizes), cfg.export.latency_runs
     timed = {}
     if runs:  # 0: not timed (a check that reads no latency pays for none)
-        scores["pytorch"].latency_ms = latency(classifier.probabilities, sample, sizes, runs)
-        for name, path in graphs.items():
-            scores[name].latency_ms = latency(OnnxClassifier(path, threads).probabilities, sample, sizes, runs)
-        if hasattr(os, "getloadavg"):  # the host's load beside the latencies: timed beside other work, not the model's
-            timed["load_average"] = round(os.getloadavg()[0], 2)
+        with HostLoad() as load:
+            scores["pytorch"].latency_ms = latency(classifier.probabilities, sample, sizes, runs)
+            for name, path in graphs.items():
+                scores[name].latency_ms = latency(OnnxClassifier(path, threads).probabilities, sample, sizes, runs)
+        timed = {"latency_host": load.figures()}
+        if timed["latency_host"].get("busy"):
+            print(f"note: the latencies were timed while other processes kept "
+                  f"{timed['latency_host']['others_busy_cores']} core(s) busy: the host's, not the model's alone "
+                  "(marked busy in the metrics)", flush=True)
     out = {name: scores[name].metrics(graphs.get(name)) for name in ("pytorch", *graphs)}
     out["pytorch"].update(agreement=1.0, max_prob_diff=0.0)
     return {"export": {**out, "num_samples": scores["pytorch"].count, "threads": threads, **timed}}
