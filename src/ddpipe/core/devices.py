@@ -33,21 +33,21 @@ ONEDNN_ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 ONEDNN_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
 
 
-def _held_to(without: frozenset[str] | None = None) -> bool:
-    """Whether this process's kernels are held below AVX-512 (ATEN_CPU_CAPABILITY), or oneDNN's to one of
-    ``without`` (any set without "AMX" in its name when None)."""
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return True
+def _aten_below_avx512() -> bool:
+    """PyTorch's own kernels run below AVX-512 here (``ATEN_CPU_CAPABILITY``, or a CPU without it)."""
+    return torch.backends.cpu.get_cpu_capability() != "AVX512"
+
+
+def _onednn_cap() -> str:
+    """The instruction set oneDNN is held to (:data:`ONEDNN_ISA_ENV`), upper case; "" when it is not held."""
     cap = next((os.environ[name].strip().upper() for name in ONEDNN_ISA_ENV if os.environ.get(name, "").strip()), "")
-    if not cap or cap == "DEFAULT":
-        return False
-    return cap in without if without is not None else "AMX" not in cap
+    return "" if cap == "DEFAULT" else cap
 
 
 def cpu_supports_bf16() -> bool:
     """AVX512-BF16 or AMX, usable by this process: bf16 autocast is then ~2x faster than fp32 on CPU (BENCHMARKS.md).
     False where PyTorch's kernels are held below AVX-512 or oneDNN's below AVX512_CORE_BF16 (:data:`ONEDNN_ISA_ENV`)."""
-    if _held_to(ONEDNN_WITHOUT_BF16):
+    if _aten_below_avx512() or _onednn_cap() in ONEDNN_WITHOUT_BF16:
         return False
     probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
     return bool(probe and probe()) or cpu_has_amx()
@@ -55,7 +55,8 @@ def cpu_supports_bf16() -> bool:
 
 def cpu_has_amx() -> bool:
     """AMX tiles, usable by this process (not where its kernels are held to an instruction set without them)."""
-    if _held_to():
+    cap = _onednn_cap()
+    if _aten_below_avx512() or (cap and "AMX" not in cap):
         return False
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(amx and amx())

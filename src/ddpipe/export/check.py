@@ -78,7 +78,7 @@ def latency(run: Callable[[np.ndarray], object], images: np.ndarray, sizes: list
         for _ in range(WARMUP_RUNS - 1):
             run(batch)
         times = [_milliseconds(run, batch) for _ in range(runs)]
-        rounds = [r for r in np.array_split(np.asarray(times), min(LATENCY_ROUNDS, runs)) if len(r)]
+        rounds = np.array_split(np.asarray(times), min(LATENCY_ROUNDS, runs))  # none empty: at most runs
         out[f"batch_{size}"] = {"p50": round(float(min(np.median(r) for r in rounds)), 3),
                                 "p99": round(float(np.percentile(times, 99)), 3), "first": round(first, 3)}
     return out

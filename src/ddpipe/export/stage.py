@@ -125,11 +125,10 @@ def measure(cfg: Config, classifier: ImageClassifier, graphs: dict[str, Path], t
             scores["pytorch"].latency_ms = latency(classifier.probabilities, sample, sizes, runs)
             for name, path in graphs.items():
                 scores[name].latency_ms = latency(OnnxClassifier(path, threads).probabilities, sample, sizes, runs)
-        timed = {"latency_host": load.figures()}
-        if timed["latency_host"].get("busy"):
-            print(f"note: the latencies were timed while other processes kept "
-                  f"{timed['latency_host']['others_busy_cores']} core(s) busy: the host's, not the model's alone "
-                  "(marked busy in the metrics)", flush=True)
+        timed = {"latency_host": (host := load.figures())}
+        if host.get("busy"):
+            print(f"note: the latencies were timed while other processes kept {host['others_busy_cores']} core(s) "
+                  "busy: the host's, not the model's alone (marked busy in the metrics)", flush=True)
     out = {name: scores[name].metrics(graphs.get(name)) for name in ("pytorch", *graphs)}
     out["pytorch"].update(agreement=1.0, max_prob_diff=0.0)
     return {"export": {**out, "num_samples": scores["pytorch"].count, "threads": threads, **timed}}
