@@ -169,6 +169,9 @@ def time_to_accuracy(opts: argparse.Namespace) -> list[Variant]:
     if cpu_supports_bf16():
         variants.append(Variant("ddpipe dvc train+evaluate, train.precision=fp32",
                                 lambda: pipeline({"train.precision": "fp32"}), "reference W=2"))
+    for extra in opts.variant:  # --variant 'key=value key=value': the defaults with those set, beside them
+        params = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in extra.split())}
+        variants.append(Variant(f"ddpipe dvc train+evaluate, {extra}", lambda p=params: pipeline(p), "reference W=2"))
     return variants
 
 
@@ -250,6 +253,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated, of: {', '.join(SECTIONS)}")
     p.add_argument("--world-sizes", default=None, help="loop-throughput's (default 1,2; --quick: 1)")
     p.add_argument("--match", default="", help="only the variants whose name contains this text")
+    p.add_argument("--variant", action="append", default=[], metavar="'KEY=VALUE ...'",
+                   help="time-to-accuracy: one more variant, params.yaml's defaults with these set (repeatable)")
     opts = p.parse_args(argv)
     keys = [k.strip() for k in opts.only.split(",") if k.strip()]
     if unknown := [k for k in keys if k not in SECTIONS]:
