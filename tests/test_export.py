@@ -64,14 +64,20 @@ def test_the_default_network_exports_onnx_and_int8_that_a_plain_client_scores_as
     images = np.load(prepared / "test.images.npy")
     labels = np.load(prepared / "test.labels.npy")
     evaluated = json.loads(Path(cfg.paths.test_metrics).read_text())["test"]["accuracy"]
-    for path, tolerance in ((cfg.paths.onnx, 0.001), (cfg.paths.onnx_int8, 0.01)):
+    assert abs(m["pytorch"]["accuracy"] - evaluated) <= 0.001  # the stage's reference is the evaluate stage's model
+    # the fp32 graph scores as the evaluate stage did; the INT8 copy as the stage scored it, within its allowed drop
+    # from PyTorch (on 200 images of a 2-epoch model, its near-ties move a few answers either way, by CPU kind)
+    assert m["pytorch"]["accuracy"] - m["int8"]["accuracy"] <= cfg.export.max_int8_accuracy_drop
+    one = 1 / len(labels)  # an image: another thread count may settle a near-tie the other way
+    for path, expected, tolerance in ((cfg.paths.onnx, evaluated, 0.001),
+                                      (cfg.paths.onnx_int8, m["int8"]["accuracy"], one)):
         session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
         (graph_input,) = session.get_inputs()
         assert graph_input.type == "tensor(uint8)" and isinstance(graph_input.shape[0], str)  # the batch is dynamic
         probs = np.concatenate([session.run(None, {graph_input.name: images[a:a + 7]})[0]
                                 for a in range(0, len(images), 7)])
         assert np.allclose(probs.sum(1), 1.0, atol=1e-4)
-        assert abs(float((probs.argmax(1) == labels).mean()) - evaluated) <= tolerance, path
+        assert abs(float((probs.argmax(1) == labels).mean()) - expected) <= tolerance + 1e-9, path
         # the same answers whatever the batch: kernels that saturate would make them depend on its shape
         whole = session.run(None, {graph_input.name: images})[0]
         assert (whole.argmax(1) == probs.argmax(1)).all() and np.abs(whole - probs).max() < 1e-4, path
