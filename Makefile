@@ -10,7 +10,7 @@ export PATH := $(BIN):$(PATH)
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
 .PHONY: setup venv data-package repro test test-fast test-slurm test-gpu lint bench clean-runs ui-deps slurm-deps \
-	server-deps ssh-deps tracking-server
+	server-deps ssh-deps qemu-deps tracking-server
 
 setup: venv data-package
 
@@ -62,6 +62,14 @@ ssh-deps:
 		(apt-get update -q && apt-get install -y -q openssh-server) || echo "warning: could not install openssh-server"; \
 	else echo "note: sshd missing and apt-get unavailable (or not root); the SSH remote test will skip"; fi
 
+# qemu-user, for the test that scores the INT8 copy made for CPUs without VNNI on an emulated AVX2 EPYC
+# (tests/test_export.py skips that test without it).
+qemu-deps:
+	@if command -v qemu-x86_64 >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -q && apt-get install -y -q qemu-user) || echo "warning: could not install qemu-user"; \
+	else echo "note: qemu-x86_64 missing and apt-get unavailable (or not root); the emulated AVX2 test will skip"; fi
+
 # A team's tracking server on this host: PostgreSQL + mlflow server with users (docs/tracking.md). The admin's
 # password comes from MLFLOW_AUTH_ADMIN_PASSWORD (or TRACKING_SERVER_ARGS=--admin-password-file FILE).
 TRACKING_SERVER_ARGS ?= --dir tracking-server --host 127.0.0.1 --port 5000
@@ -75,7 +83,7 @@ repro: setup
 # longest files first (tests/conftest.py, LONGEST_FIRST). TEST_WORKERS=0: one process, in order.
 TEST_WORKERS ?= auto
 TEST_DIST = --dist loadfile --no-loadscope-reorder
-test: setup ui-deps slurm-deps server-deps ssh-deps
+test: setup ui-deps slurm-deps server-deps ssh-deps qemu-deps
 	python -m pytest -n $(TEST_WORKERS) $(TEST_DIST)
 
 # The SLURM tests alone: a two-node cluster on this host runs, stops and requeues train.sbatch jobs.

@@ -17,6 +17,7 @@ from ddpipe.engine.resolved import resolve_precision, use_channels_last
 CPU = torch.device("cpu")
 
 
+@pytest.mark.cpu_kernels
 def test_auto_precision_on_cpu_follows_the_cpu() -> None:
     assert resolve_precision("auto", CPU) == ("bf16" if cpu_supports_bf16() else "fp32")
     assert resolve_precision("fp32", CPU) == "fp32" and resolve_precision("bf16", CPU) == "bf16"

@@ -17,17 +17,28 @@ import torch
 from ddpipe.config.load import load_config
 from ddpipe.config.schema import ConfigError, ModelConfig
 from ddpipe.core.devices import cpu_int8_kind
-from tests.conftest import LIGHT_EXPORT, PARAMS, TIMED_EXPORT, args_for, make_imagefolder, run
+from tests.conftest import (
+    CONFIDENT_TRAINING,
+    LIGHT_EXPORT,
+    PARAMS,
+    ROOT,
+    TIMED_EXPORT,
+    args_for,
+    make_imagefolder,
+    run,
+)
 
 pytest.importorskip("onnxruntime")
 
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> list[str]:
-    """The default network trained for two epochs on the generated MNIST-format data (one leaves near-ties, whose
-    INT8 answers grade noise), evaluated, registered as clf."""
+def trained(tmp_path_factory: pytest.TempPathFactory, judged_prepared: Path) -> list[str]:
+    """The default network trained for two epochs on generated MNIST-format data with 2,000 test images, without the
+    random crop that makes its bars near-ties (a model the export's gates can judge: tests/conftest.py,
+    CONFIDENT_TRAINING), evaluated, registered as clf."""
     tmp = tmp_path_factory.mktemp("export")
-    args = args_for(tmp, prepared, "mlflow.log_model=true", "mlflow.registered_model_name=clf",
-                    "mlflow.experiment_name=exp", *LIGHT_EXPORT)
+    args = args_for(tmp, judged_prepared, "mlflow.log_model=true", "mlflow.registered_model_name=clf",
+                    "mlflow.experiment_name=exp", *CONFIDENT_TRAINING, *LIGHT_EXPORT)
     run(["python", "stages/train_worker.py", *args])
     run(["python", "stages/evaluate.py", *args])
     return args
@@ -43,8 +54,9 @@ def _digests(*paths: str) -> list[str]:
     return [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths]
 
 
+@pytest.mark.cpu_kernels
 def test_the_default_network_exports_onnx_and_int8_that_a_plain_client_scores_as_evaluated(
-        trained: list[str], prepared: Path) -> None:
+        trained: list[str], judged_prepared: Path) -> None:
     import onnxruntime as ort
 
     from ddpipe.export.stage import export
@@ -61,13 +73,14 @@ def test_the_default_network_exports_onnx_and_int8_that_a_plain_client_scores_as
     assert all(0 < t["p50"] <= t["p99"] and t["first"] > 0 for f in ("pytorch", "onnx", "int8")
                for t in m[f]["latency_ms"].values())
     # a client that knows nothing of ddpipe: ONNX Runtime, the raw uint8 test images, the metadata's class names
-    images = np.load(prepared / "test.images.npy")
-    labels = np.load(prepared / "test.labels.npy")
+    images = np.load(judged_prepared / "test.images.npy")
+    labels = np.load(judged_prepared / "test.labels.npy")
     evaluated = json.loads(Path(cfg.paths.test_metrics).read_text())["test"]["accuracy"]
     assert abs(m["pytorch"]["accuracy"] - evaluated) <= 0.001  # the stage's reference is the evaluate stage's model
-    # the fp32 graph scores as the evaluate stage did; the INT8 copy as the stage scored it, within its allowed drop
-    # from PyTorch (on 200 images of a 2-epoch model, its near-ties move a few answers either way, by CPU kind)
+    # the fp32 graph scores as the evaluate stage did; the INT8 copy as the stage scored it, within the stage's own
+    # gates (on 2,000 images, 1 point is 20 of them)
     assert m["pytorch"]["accuracy"] - m["int8"]["accuracy"] <= cfg.export.max_int8_accuracy_drop
+    assert m["int8"]["agreement"] >= 0.99, m["int8"]  # a confident model: its INT8 copy keeps its answers
     one = 1 / len(labels)  # an image: another thread count may settle a near-tie the other way
     for path, expected, tolerance in ((cfg.paths.onnx, evaluated, 0.001),
                                       (cfg.paths.onnx_int8, m["int8"]["accuracy"], one)):
@@ -92,6 +105,7 @@ def test_the_default_network_exports_onnx_and_int8_that_a_plain_client_scores_as
     assert run.status == "FINISHED" and run.end_time is not None
 
 
+@pytest.mark.cpu_kernels
 def test_an_int8_copy_made_for_another_cpu_kind_holds_its_weights_type_and_says_so_where_served(
         trained: list[str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """``export.int8_cpu`` names the CPUs the copy is for: one for x86 CPUs without VNNI holds uint8 weights (uint8 x
@@ -109,7 +123,7 @@ def test_an_int8_copy_made_for_another_cpu_kind_holds_its_weights_type_and_says_
         out = tmp_path / kind
         cfg = load_config([*trained, f"export.int8_cpu={kind}", f"paths.onnx={out}.onnx",
                            f"paths.onnx_int8={out}.8.onnx", f"paths.export_metrics={out}.json",
-                           "mlflow.log_model=false", "export.max_int8_accuracy_drop=1.0"], params_file=PARAMS)
+                           "mlflow.log_model=false"], params_file=PARAMS)
         m = export(cfg)["export"]
         assert m["int8"]["made_for"] == kind
         graph = onnx.load(cfg.paths.onnx_int8)
@@ -130,6 +144,7 @@ def test_an_int8_copy_made_for_another_cpu_kind_holds_its_weights_type_and_says_
             assert any(f"made for {kind} CPUs and runs on a {here} CPU" in str(w.message) for w in caught)
 
 
+@pytest.mark.cpu_kernels
 def test_the_served_onnx_model_answers_a_raw_image_request_as_the_pytorch_one(trained: list[str]) -> None:
     import mlflow.pyfunc
 
@@ -162,6 +177,7 @@ def _swap_classes(path: Path) -> None:
     onnx.save_model(model, str(path))
 
 
+@pytest.mark.cpu_kernels
 def test_a_broken_export_fails_the_stage_and_leaves_the_previous_export_in_place(
         trained: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     import stages.export
@@ -205,6 +221,8 @@ def test_the_champion_moves_only_to_a_version_whose_export_passed(trained: list[
     # ddpipe's registering code does, whatever a test before this one (or none) left there
     mlflow.set_tracking_uri(cfg.mlflow.tracking_uri)
     first = client.get_model_version("clf", "1")
+    # the trained model answers every test image right, so no version could beat it: say it tested lower
+    client.set_model_version_tag("clf", "1", "test_accuracy", "0.5")
     run_id = client.create_run(client.get_experiment_by_name("exp").experiment_id).info.run_id
     second = client.create_model_version("clf", first.source, run_id=run_id).version
     record_and_promote(client, run_id, {"model_name": "clf", "alias": None, "test_accuracy": 1.0,
@@ -238,6 +256,8 @@ def test_a_torchvision_network_with_its_own_stem_exports_and_scores(tmp_path: Pa
     torch.manual_seed(0)
     network = build_model(ModelConfig(name="resnet18"), 3, 3)
     save_model(network.state_dict(), ModelConfig(name="resnet18"), meta, tmp_path / "model.pt")
+    # untrained weights on noise: no accuracy to judge, so the INT8 gate is set aside (the graph is what is checked;
+    # the fp32 graph against PyTorch is fp32 rounding, far below the logits' spread)
     cfg = load_config(args_for(tmp_path, tmp_path / "prepared", "model.name=resnet18", "data.dataset=imagefolder",
                                f"data.source_dir={folder}", "export.max_int8_accuracy_drop=1.0", *LIGHT_EXPORT),
                       params_file=PARAMS)
@@ -264,14 +284,16 @@ class Net(nn.Module):
 """
 
 
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("case", ["resnet_small", "timm", "own module", "fine-tuned", "ema"])
-def test_every_kind_of_network_we_train_exports_and_agrees(case: str, tmp_path: Path, prepared: Path,
+def test_every_kind_of_network_we_train_exports_and_agrees(case: str, tmp_path: Path, judged_prepared: Path,
                                                            monkeypatch: pytest.MonkeyPatch,
                                                            request: pytest.FixtureRequest) -> None:
     """The default network on a GPU or an AMX CPU (resnet_small), a timm network by name, a user's module
     (module:Class), a fine-tuned torchvision network (its pretrained weights named but not needed to rebuild it) and
     EMA weights, each trained briefly (fresh weights answer every image alike), exported, and scored against the
-    PyTorch model on the prepared test split. FixRes sizes: the torchvision test."""
+    PyTorch model on the prepared test split (2,000 images: the 99.9 % agreement asked allows 2 near-ties to settle
+    the other way in fp32 rounding). FixRes sizes: the torchvision test."""
     from ddpipe.data.store import load_meta
     from ddpipe.engine.ema import WeightAverage
     from ddpipe.export.stage import export
@@ -287,15 +309,15 @@ def test_every_kind_of_network_we_train_exports_and_agrees(case: str, tmp_path: 
                            "own module": {"name": "export_own_nets:Net"},
                            "fine-tuned": {"name": "resnet18", "weights": "ResNet18_Weights.IMAGENET1K_V1"},
                            "ema": {"name": "resnet_compact", "width": 8}}[case])
-    meta = asdict(load_meta(prepared))
+    meta = asdict(load_meta(judged_prepared))
     torch.manual_seed(0)
     network = build_model(model, meta["num_channels"], len(meta["classes"]))
     average = WeightAverage(network, 0.9) if case == "ema" else None
-    _train_briefly(network, prepared, meta, average)
+    _train_briefly(network, judged_prepared, meta, average)
     state = average.weights() if average else network.state_dict()
     save_model(state, model, meta, tmp_path / "model.pt",
                {"exported_epoch": 1, "exported_weights": "ema" if average else "raw"})
-    cfg = load_config(args_for(tmp_path, prepared, f"model.name={model.name}", "export.int8=false",
+    cfg = load_config(args_for(tmp_path, judged_prepared, f"model.name={model.name}", "export.int8=false",
                                "mlflow.log_model=false", *LIGHT_EXPORT), params_file=PARAMS)
     m = export(cfg)["export"]
     assert m["onnx"]["agreement"] >= 0.999 and m["num_samples"] == meta["sizes"]["test"], m["onnx"]
@@ -326,6 +348,7 @@ def _train_briefly(network: torch.nn.Module, prepared: Path, meta: dict, average
     network.eval()
 
 
+@pytest.mark.cpu_kernels
 def test_global_max_pooling_is_exported_as_a_reduction_that_answers_bit_for_bit() -> None:
     """resnet_small's and resnet_compact's AdaptiveMaxPool2d(1), which torch 2.11's exporter cannot translate,
     replaced in a copy by a max over height and width: the same answers to the bit, the caller's network untouched."""
@@ -421,3 +444,43 @@ def test_latencies_timed_beside_other_work_are_marked_busy() -> None:
         subprocess.run([sys.executable, "-c", spin], check=True)
     figures = load.figures()
     assert figures["others_busy_cores"] >= BUSY_CORES and figures["busy"] is True
+
+
+# qemu-user's model of an AVX2 EPYC: AVX2, no AVX-512, no VNNI (ONNX Runtime picks its INT8 kernels by CPUID; qemu
+# computes VPMADDUBSW's saturating int16 sums as the silicon does: BENCHMARKS, "INT8 on CPUs without VNNI")
+EMULATED_AVX2 = "EPYC-Rome"
+
+
+def _answers(graph: Path, images: Path, out: Path, qemu: str | None = None) -> np.ndarray:
+    """``graph``'s top-1 answers for the images in ``images``, from bench/int8_cpus.py's scoring child (numpy and
+    ONNX Runtime only, one thread), natively or on qemu's :data:`EMULATED_AVX2`."""
+    cmd = [sys.executable, str(ROOT / "bench" / "int8_cpus.py"), "--score", str(graph), str(images), str(out)]
+    run([qemu, "-cpu", EMULATED_AVX2, *cmd] if qemu else cmd, timeout=600)
+    return np.load(out)
+
+
+def test_the_int8_copy_for_cpus_without_vnni_answers_alike_on_an_emulated_avx2_cpu(
+        trained: list[str], judged_prepared: Path, tmp_path: Path) -> None:
+    """The copy ``export.int8_cpu: auto`` makes on an x86 CPU without VNNI (uint8 weights), made and checked here by
+    the export stage, scored again by ONNX Runtime on qemu's AVX2 EPYC: the same answers to the image as on this CPU
+    (uint8 x uint8 sums are exact on both), so the stage's gates hold there as here. The copy for VNNI CPUs is this
+    host's own (test_the_default_network_...); on a CPU without VNNI it saturates, which the served model warns of."""
+    import shutil
+
+    from ddpipe.export.stage import export
+
+    qemu = shutil.which("qemu-x86_64")
+    if qemu is None or cpu_int8_kind() == "other":
+        pytest.skip("qemu-x86_64 (Debian's qemu-user, which .ci/run installs) and an x86 host are needed")
+    out = tmp_path / "no-vnni"
+    cfg = load_config([*trained, "export.int8_cpu=x86-no-vnni", f"paths.onnx={out}.onnx",
+                       f"paths.onnx_int8={out}.8.onnx", f"paths.export_metrics={out}.json", "mlflow.log_model=false"],
+                      params_file=PARAMS)
+    m = export(cfg)["export"]  # passed its gates here, or it raised
+    labels = np.load(judged_prepared / "test.labels.npy")
+    images = judged_prepared / "test.images.npy"
+    here = _answers(Path(cfg.paths.onnx_int8), images, tmp_path / "here.npy")
+    emulated = _answers(Path(cfg.paths.onnx_int8), images, tmp_path / "emulated.npy", qemu)
+    assert float((here == labels).mean()) == pytest.approx(m["int8"]["accuracy"], abs=1 / len(labels) + 1e-9)
+    differ = np.flatnonzero(here != emulated)
+    assert differ.size == 0, f"{differ.size} of {len(labels)} answers differ on the emulated AVX2 CPU: {differ[:20]}"

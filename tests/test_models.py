@@ -209,6 +209,7 @@ def test_the_launcher_says_when_dvc_yaml_misses_the_networks_file(repo_dir: Path
     assert "the small-image variant this name meant before is 'resnet18_cifar'" in capsys.readouterr().err
 
 
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("name", ["resnet_small", "seed_cnn"])  # global max pooling | global average pooling
 def test_global_pools_as_reductions_answer_and_learn_as_the_adaptive_pools(name: str) -> None:
     """train.deterministic on CUDA computes global pooling as reductions (their backward adds no atomics): the same

@@ -23,6 +23,7 @@ from tests.conftest import ROOT, args_for, max_rel_diff, run, spawn, subprocess_
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_kernels
 def test_plain_process_trains_and_writes_every_output(tmp_path: Path, prepared: Path) -> None:
     run(["python", "stages/train_worker.py", *args_for(tmp_path, prepared)])
     model, saved = load_model(tmp_path / "model.pt")
