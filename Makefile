@@ -48,9 +48,10 @@ slurm-deps:
 		|| echo "warning: could not install SLURM"; \
 	else echo "note: SLURM missing and apt-get unavailable (or not root); tests/test_slurm.py will skip"; fi
 
-# PostgreSQL 15, for the team's tracking server and the tests that run one (tests/test_server.py skips without it).
+# PostgreSQL (Debian's or Ubuntu's, any version: 15, 16, 17), for the team's tracking server and the tests that run one
+# (tests/test_server.py skips without it).
 server-deps:
-	@if [ -x /usr/lib/postgresql/15/bin/initdb ]; then :; \
+	@if ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1; then :; \
 	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 		(apt-get update -q && apt-get install -y -q postgresql) || echo "warning: could not install PostgreSQL"; \
 	else echo "note: PostgreSQL missing and apt-get unavailable (or not root); tests/test_server.py will skip"; fi

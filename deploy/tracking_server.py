@@ -50,7 +50,9 @@ from pathlib import Path
 from ddpipe.core.processes import alive
 from ddpipe.tracking.run_store import redact
 
-PG_BIN = Path("/usr/lib/postgresql/15/bin")
+# Debian and Ubuntu install each PostgreSQL major version's programs in /usr/lib/postgresql/<major>/bin (15 on Debian
+# 12, 17 on Debian 13, 16 on Ubuntu 24.04, several side by side); elsewhere they are on PATH (or pg_config says where)
+PG_LIB = Path("/usr/lib/postgresql")
 SEARCH, SEARCH_SECRET = "search", "postgres-search-password"  # the search's role and database; its password's file
 HBA_MARK = "# ddpipe: the search role from other hosts (deploy/tracking_server.py --pg-listen, --pg-clients)"
 PERMISSIONS = ("READ", "EDIT", "MANAGE", "NO_PERMISSIONS")
@@ -63,13 +65,46 @@ class ServerError(RuntimeError):
 # -- PostgreSQL ------------------------------------------------------------------------------------
 
 
-def _pg_bin(name: str) -> str:
-    found = PG_BIN / name if (PG_BIN / name).is_file() else shutil.which(name)
-    if not found:
-        raise ServerError(f"PostgreSQL's {name} was not found (looked in {PG_BIN} and on PATH): install Debian's "
-                          "postgresql package (apt-get install postgresql), or pass --backend-store-uri of an "
-                          "existing server")
-    return str(found)
+def pg_bin_dirs() -> dict[int, Path]:
+    """The installed PostgreSQL versions' program directories by major version: Debian's and Ubuntu's
+    /usr/lib/postgresql/<major>/bin (:data:`PG_LIB`), else the one ``pg_config --bindir`` or PATH's ``initdb`` names
+    (its version from ``initdb --version``)."""
+    found = {int(d.parent.name): d for d in PG_LIB.glob("*/bin")
+             if d.parent.name.isdigit() and (d / "initdb").is_file()}
+    if found:
+        return found
+    pg_config = shutil.which("pg_config")
+    bindir = subprocess.run([pg_config, "--bindir"], capture_output=True, text=True).stdout.strip() if pg_config else ""
+    initdb = Path(bindir) / "initdb" if bindir and (Path(bindir) / "initdb").is_file() else shutil.which("initdb")
+    if not initdb:
+        return {}
+    # "initdb (PostgreSQL) 16.4"
+    said = subprocess.run([str(initdb), "--version"], capture_output=True, text=True).stdout
+    major = said.split()[-1].split(".")[0] if said.strip() else ""
+    return {int(major) if major.isdigit() else 0: Path(initdb).parent}
+
+
+def pg_bin_dir(data: Path | None = None) -> Path:
+    """The programs of the PostgreSQL that runs ``data``: the major version its PG_VERSION names (a data directory is
+    bound to the version that made it), or the newest installed for a new one."""
+    dirs = pg_bin_dirs()
+    if not dirs:
+        raise ServerError(f"PostgreSQL was not found (looked in {PG_LIB}/<version>/bin, pg_config and PATH): install "
+                          "Debian's or Ubuntu's postgresql package (apt-get install postgresql), or pass "
+                          "--backend-store-uri of an existing server")
+    made_by = data / "PG_VERSION" if data is not None else None
+    if made_by is None or not made_by.is_file():
+        return dirs[max(dirs)]
+    major = int(made_by.read_text().strip().split(".")[0])
+    if major not in dirs:
+        raise ServerError(f"{data} was made by PostgreSQL {major}, which is not installed here (installed: "
+                          f"{', '.join(map(str, sorted(dirs)))}): install postgresql-{major}, or upgrade the data "
+                          "directory with pg_upgrade")
+    return dirs[major]
+
+
+def _pg_bin(name: str, data: Path | None = None) -> str:
+    return str(pg_bin_dir(data) / name)
 
 
 def _as_owner(cmd: list[str]) -> list[str]:
@@ -112,9 +147,9 @@ def start_postgres(directory: Path, port: int, listen: str = "127.0.0.1", client
     password = _secret(directory, "postgres-mlflow-password")
     if not (data / "PG_VERSION").is_file():
         print(f"initialising PostgreSQL in {data}", flush=True)
-        _run(_as_owner([_pg_bin("initdb"), "-D", str(data), "--auth-local=peer", "--auth-host=scram-sha-256",
+        _run(_as_owner([_pg_bin("initdb", data), "-D", str(data), "--auth-local=peer", "--auth-host=scram-sha-256",
                         "-E", "UTF8", "--locale=C.UTF-8"]), "initdb")
-    psql = _as_owner([_pg_bin("psql"), "-h", str(sockets), "-p", str(port), "-d", "postgres", "-v",
+    psql = _as_owner([_pg_bin("psql", data), "-h", str(sockets), "-p", str(port), "-d", "postgres", "-v",
                       "ON_ERROR_STOP=1", "-tA"])
     _start_cluster(data, sockets, port, listen, hba, psql)
     made = _provision(psql, "mlflow", password, ("mlflow", "mlflow_auth"))
@@ -128,7 +163,7 @@ def _start_cluster(data: Path, sockets: Path, port: int, listen: str, hba: list[
     """Start the cluster listening on ``listen``, with ``hba`` (search_hba_lines) in its pg_hba.conf. One left
     running (``stop --keep-postgres``) keeps the addresses it was started with, so it must listen there already; a
     pg_hba.conf changed under it is reloaded."""
-    running = subprocess.run(_as_owner([_pg_bin("pg_ctl"), "-D", str(data), "status"]), capture_output=True)
+    running = subprocess.run(_as_owner([_pg_bin("pg_ctl", data), "-D", str(data), "status"]), capture_output=True)
     if running.returncode == 0:
         now = _run([*psql, "-c", "SHOW listen_addresses"], "psql").strip()
         if now.replace(" ", "") != listen.replace(" ", ""):
@@ -136,11 +171,11 @@ def _start_cluster(data: Path, sockets: Path, port: int, listen: str, hba: list[
                               f"stop it (deploy/tracking_server.py stop --dir {data.parent}) and start again")
     changed = write_search_hba(data, hba)
     if running.returncode:
-        _run(_as_owner([_pg_bin("pg_ctl"), "-D", str(data), "-l", str(sockets / "postgres.log"), "-w", "-t", "60",
+        _run(_as_owner([_pg_bin("pg_ctl", data), "-D", str(data), "-l", str(sockets / "postgres.log"), "-w", "-t", "60",
                         "-o", f"-p {port} -k {sockets} -c listen_addresses='{listen}'", "start"]),
              f"starting PostgreSQL (its log: {sockets / 'postgres.log'})")
     elif changed:
-        _run(_as_owner([_pg_bin("pg_ctl"), "-D", str(data), "reload"]), "reloading PostgreSQL's pg_hba.conf")
+        _run(_as_owner([_pg_bin("pg_ctl", data), "-D", str(data), "reload"]), "reloading PostgreSQL's pg_hba.conf")
 
 
 def _provision(psql: list[str], role: str, password: str, databases: tuple[str, ...]) -> list[str]:
@@ -212,7 +247,7 @@ def search_storage(directory: Path, port: int, listen: str) -> str:
 def stop_postgres(directory: Path) -> None:
     data = directory / "postgres"
     if (data / "postmaster.pid").is_file():
-        _run(_as_owner([_pg_bin("pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"]), "stopping PostgreSQL")
+        _run(_as_owner([_pg_bin("pg_ctl", data), "-D", str(data), "-m", "fast", "-w", "stop"]), "stopping PostgreSQL")
         print("PostgreSQL stopped", flush=True)
 
 
@@ -334,12 +369,13 @@ def status(args: argparse.Namespace) -> None:
     print(f"mlflow server: {'running, pid ' + pid_file.read_text().strip() if running else 'not running'}")
     data = directory / "postgres"
     if (data / "PG_VERSION").is_file():
-        pg = subprocess.run(_as_owner([_pg_bin("pg_ctl"), "-D", str(data), "status"]), capture_output=True, text=True)
+        pg = subprocess.run(_as_owner([_pg_bin("pg_ctl", data), "-D", str(data), "status"]), capture_output=True,
+                            text=True)
         print(f"PostgreSQL: {'running' if pg.returncode == 0 else 'not running'}")
         if pg.returncode == 0:  # its port: the 4th line of postmaster.pid; its addresses: its own answer
             port = int((data / "postmaster.pid").read_text().splitlines()[3])
-            listen = _run(_as_owner([_pg_bin("psql"), "-h", str(directory / "postgres-run"), "-p", str(port), "-d",
-                                     "postgres", "-tAc", "SHOW listen_addresses"]), "psql").strip()
+            listen = _run(_as_owner([_pg_bin("psql", data), "-h", str(directory / "postgres-run"), "-p", str(port),
+                                     "-d", "postgres", "-tAc", "SHOW listen_addresses"]), "psql").strip()
             print(search_storage(directory, port, listen))
     raise SystemExit(0 if running else 3)
 

@@ -1,9 +1,11 @@
 """deploy/k8s on paper (no cluster here): every manifest against the published schemas, offline, and its
-stop settings against the preemption code's. SLURM runs for real in test_slurm.py."""
+stop settings against the preemption code's; the tracking server's choice of PostgreSQL. SLURM runs for real in
+test_slurm.py."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -93,3 +95,26 @@ def test_slurm_script_requeues_on_the_preemption_exit_code_and_warns_ahead_of_th
     assert warn and int(warn[1]) >= load_config(params_file=PARAMS).distributed.shutdown_timeout_s + GRACE_MARGIN_S
     assert re.search(r"^#SBATCH --requeue\b", script, re.M)
     assert f'if [ "$status" -eq {EXIT_PREEMPTED} ]; then' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+
+
+def test_the_tracking_server_finds_any_postgresql_version_and_runs_a_data_directory_with_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Debian 12 ships PostgreSQL 15, Debian 13 17, Ubuntu 24.04 16, side by side in /usr/lib/postgresql/<major>/bin:
+    a new data directory gets the newest; one made by an installed version gets that one; one made by a version not
+    installed is refused, naming it, before anything starts."""
+    from deploy import tracking_server
+    from deploy.tracking_server import ServerError, pg_bin_dir
+
+    for major in (15, 17, 16):
+        (tmp_path / "lib" / str(major) / "bin").mkdir(parents=True)
+        (tmp_path / "lib" / str(major) / "bin" / "initdb").write_text("")
+    (tmp_path / "lib" / "common" / "bin").mkdir(parents=True)  # not a version
+    monkeypatch.setattr(tracking_server, "PG_LIB", tmp_path / "lib")
+    data = tmp_path / "data"
+    data.mkdir()
+    assert pg_bin_dir(data) == pg_bin_dir() == tmp_path / "lib" / "17" / "bin"
+    (data / "PG_VERSION").write_text("15\n")
+    assert pg_bin_dir(data) == tmp_path / "lib" / "15" / "bin"
+    (data / "PG_VERSION").write_text("14\n")
+    with pytest.raises(ServerError, match=r"made by PostgreSQL 14, which is not installed here \(installed: 15, 16"):
+        pg_bin_dir(data)

@@ -26,6 +26,7 @@ from ddpipe.config.schema import ConfigError
 from ddpipe.core.environment import REPO_ROOT_ENV
 from ddpipe.data.store import open_split
 from ddpipe.search.space import Plan, make_plan
+from deploy.tracking_server import pg_bin_dirs
 from tests.conftest import (
     LIGHT_EXPORT,
     PARAMS,
@@ -39,10 +40,9 @@ from tests.conftest import (
     wait_for_url,
 )
 
-PG_BIN = Path("/usr/lib/postgresql/15/bin")
 SPACE = "search.space.train.label_smoothing=uniform(0.0, 0.2)"
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    not (PG_BIN / "initdb").is_file(), reason="PostgreSQL 15 is not installed (apt-get install postgresql)")]
+    not pg_bin_dirs(), reason="PostgreSQL is not installed (apt-get install postgresql)")]
 ADMIN_PW, WRITER_PW, READER_PW = "admin-pw-0123456789", "writer-pw-0123456789", "reader-pw-0123456789"
 SCRIPT = str(ROOT / "deploy" / "tracking_server.py")
 
