@@ -41,7 +41,7 @@ def host_kind() -> str:
 def marked_files() -> list[str]:
     """The test files with a ``cpu_kernels`` test (collecting only those: the whole suite takes seconds to collect)."""
     return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
-                  if "@pytest.mark.cpu_kernels" in p.read_text())
+                  if "pytest.mark.cpu_kernels" in p.read_text())
 
 
 @pytest.mark.slow

@@ -90,7 +90,6 @@ def _post(url: str, payload: dict) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.cpu_kernels
 def test_the_served_model_answers_plain_images_as_the_evaluate_stage_did(tmp_path: Path, prepared: Path) -> None:
     """Train, evaluate, register; then `mlflow models serve` the logged model and send it uint8 test
     images (N x H x W, as JSON integers) and the same images as floats in [0, 1]: its predictions are

@@ -159,3 +159,33 @@ def test_a_wheel_installed_outside_the_checkout_trains(tmp_path: Path, prepared:
                              env=env, capture_output=True, text=True, timeout=600)
     assert trained.returncode == 0, trained.stderr[-4000:]
     assert "-m ddpipe.launch.worker" in trained.stdout and (out / "model.pt").is_file(), trained.stdout[-2000:]
+
+
+def test_a_failed_ranks_error_file_is_written_whole_or_not_at_all(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's agent reads a failed rank's error file once the rank has exited; a write cut short (the agent's
+    SIGTERM landing in it) must leave no file, not an empty one on which the agent dies instead of restarting."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import error_handler
+
+    from ddpipe.launch.worker import ERROR_FILE_ENV, WholeErrorFile
+
+    target = tmp_path / "error.json"
+    monkeypatch.setenv(ERROR_FILE_ENV, str(target))
+    try:
+        raise RuntimeError("gloo: connection closed by peer")
+    except RuntimeError as e:
+        WholeErrorFile().record_exception(e)
+    said = json.loads(target.read_text())["message"]
+    assert said["message"] == "RuntimeError: gloo: connection closed by peer" and "py_callstack" in said["extraInfo"]
+    target.unlink()
+
+    def cut_short(data, fp) -> None:  # noqa: ANN001
+        fp.write('{"message": ')
+        raise KeyboardInterrupt  # what a signal's handler raises between two bytecodes
+
+    monkeypatch.setattr(error_handler.json, "dump", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        WholeErrorFile().record_exception(RuntimeError("again"))
+    assert not target.exists() and os.environ[ERROR_FILE_ENV] == str(target)

@@ -52,6 +52,18 @@ def _step_checkpoint(clone: Path, epoch: int, seconds: float = 300) -> Path:
     raise AssertionError(f"no step checkpoint of epoch {epoch} under {clone / 'checkpoints' / 'queued'}")
 
 
+def _kill(clone: Path, name: str, force: bool, seconds: float = 30) -> None:
+    """`dvc queue kill [--force] name` of an experiment whose training runs. DVC finds it among its worker's active
+    tasks, which can lag the training it started: once in CI, with the experiment's step checkpoints appearing,
+    `dvc queue kill --force` said "'q2' is not a valid running experiment name". Asked again until DVC knows it."""
+    cmd = ["dvc", "queue", "kill", *(["--force"] if force else []), name]
+    deadline = time.time() + seconds
+    while (said := run(cmd, cwd=clone, env=CLONE_ENV, check=False)).returncode != 0 and time.time() < deadline:
+        assert "is not a valid running experiment name" in said.stderr, said.stderr
+        time.sleep(0.5)
+    assert said.returncode == 0, f"{cmd}: {said.stderr}"
+
+
 def _status(clone: Path, name: str, seconds: float = 900) -> str:
     """The queue's word for experiment ``name`` (Queued, Running, Success, Failed), once it has one of the last two
     (the third attempt trains 7 epochs, evaluates and exports: minutes on a busy host), at most ``seconds``."""
@@ -83,7 +95,7 @@ def test_a_queued_experiment_killed_twice_resumes_at_its_step_and_ends_as_if_nev
     for name, epoch, force in (("q1", 2, False), ("q2", 3, True)):
         _queue(clone, name)
         _step_checkpoint(clone, epoch)
-        run(["dvc", "queue", "kill", *(["--force"] if force else []), name], cwd=clone, env=CLONE_ENV)
+        _kill(clone, name, force)
         assert not none_left_within(marker, 10), f"processes of {name} left 10 s after `dvc queue kill`"
         runs = [r for r in client.search_runs([experiment]) if r.info.run_id not in before]
         assert runs and all(r.info.status == "KILLED" and r.data.tags.get("ddpipe.end_reason") for r in runs), \

@@ -10,18 +10,42 @@ elastic MIN:MAX job's) against the global batch. A worker started otherwise (a t
 runs every check first (ddpipe.launch.torchrun.worker_config).
 """
 
+import functools
 import os
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from ddpipe.config.command import load_or_exit
 from ddpipe.config.load import user_errors
 from ddpipe.data.store import PreparedDataError
 from ddpipe.launch.torchrun import worker_config
 
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where torchrun's agent reads a failed rank's error (torch's own name)
 
-@record  # under torchrun, the failing rank's traceback reaches the launcher's summary
+
+class WholeErrorFile(ErrorHandler):
+    """torch's error file of a failed rank, written whole or not at all: into a file beside it, then renamed. Written
+    in place, a SIGTERM that torchrun's agent sends the other ranks once one failed can land between the truncating
+    open and the write (the training's own handler is gone by then), and the agent then dies on the empty file
+    (JSONDecodeError in ProcessFailure) instead of restarting the group: seen once in CI, SIGKILLing one of 2 ranks."""
+
+    def record_exception(self, e: BaseException) -> None:
+        target = os.environ.get(ERROR_FILE_ENV)
+        if not target:
+            return super().record_exception(e)
+        partial = f"{target}.{os.getpid()}.partial"
+        os.environ[ERROR_FILE_ENV] = partial
+        try:
+            super().record_exception(e)
+        finally:
+            os.environ[ERROR_FILE_ENV] = target
+        if os.path.isfile(partial):
+            os.replace(partial, target)
+
+
+# under torchrun, the failing rank's traceback reaches the launcher's summary
+@functools.partial(record, error_handler=WholeErrorFile())
 def main() -> None:
     cfg = load_or_exit(sys.argv[1:], "stages/train.py")
     with user_errors(PreparedDataError):
