@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +36,7 @@ import torch.nn.functional as F
 from mlflow.pyfunc import PythonModelContext
 
 from ddpipe.data.transforms import BatchTransform, EvalCrop
-from ddpipe.models.catalog import code_paths, kind
+from ddpipe.models.catalog import code_paths
 from ddpipe.models.nets import predict_logits
 from ddpipe.models.saved import SavedModel, load_model
 
@@ -201,41 +199,6 @@ mlflow.models.set_model(MlflowImageClassifier())
 '''
 
 
-# What the served model's code imports besides ddpipe (which it carries: carried_package): pinned to the versions that
-# logged it, so MLflow's own environment managers (`mlflow models serve`'s default, `--env-manager uv`) build the same
-SERVED_REQUIREMENTS = ("torch", "torchvision", "numpy", "pandas")
-
-
-def carried_package(directory: Path) -> Path:
-    """The part of this package a served model runs, its source (no byte code) copied into ``directory``/ddpipe, for a
-    logged model's ``code_paths``: MLflow puts it on ``sys.path`` when the model loads, so the model's code (``from
-    ddpipe.models.served import ...``) runs in a Python where ddpipe is not installed, as the version that logged it.
-    The part: ``models`` and the layers beneath it (``ddpipe.LAYERS``: a package imports only those), 260 KB of the
-    package's 715."""
-    from ddpipe import LAYERS
-
-    package, home = Path(__file__).resolve().parents[1], Path(__file__).resolve().parent.name
-    level = next(i for i, layer in enumerate(LAYERS) if home in layer)
-    carried = Path(directory) / package.name
-    carried.mkdir(parents=True)
-    shutil.copy2(package / "__init__.py", carried)
-    skipped = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in sorted({name for layer in LAYERS[:level] for name in layer} | {home}):
-        shutil.copytree(package / name, carried / name, ignore=skipped)
-    return carried
-
-
-def pinned(*names: str) -> list[str]:
-    """``name==version`` of each installed distribution (those not installed are left out)."""
-    pins = []
-    for name in names:
-        try:
-            pins.append(f"{name}=={version(name).split('+')[0]}")
-        except PackageNotFoundError:
-            continue
-    return pins
-
-
 @contextlib.contextmanager
 def model_of_run(mlflow: Any, run_id: str, name: str) -> Iterator[str]:
     """A new logged model ``name`` whose source is run ``run_id`` (with the run's params): its id, for a flavor's
@@ -267,9 +230,8 @@ def log_pyfunc(mlflow: Any, run_id: str, model_path: Path, input_example: Any, m
     with tempfile.TemporaryDirectory() as tmp, model_of_run(mlflow, run_id, "model") as model_id:
         code = Path(tmp) / MODEL_CODE_FILE
         code.write_text(MODEL_CODE)
-        carried = [str(carried_package(Path(tmp))), *code_paths(model_name)]
         info = _log_pyfunc(mlflow, code, model_path, input_example, model_name, registered_model_name, classifier,
-                           model_id, carried)
+                           model_id)
     client = mlflow.MlflowClient()
     client.set_tag(run_id, "ddpipe.logged_model_epoch", str(classifier.exported_epoch))
     if registered_model_name and info.registered_model_version:
@@ -279,17 +241,18 @@ def log_pyfunc(mlflow: Any, run_id: str, model_path: Path, input_example: Any, m
 
 
 def _log_pyfunc(mlflow: Any, code: Path, model_path: Path, input_example: Any, model_name: str,
-                registered_model_name: str | None, classifier: ImageClassifier, model_id: str,
-                carried: list[str]) -> Any:
+                registered_model_name: str | None, classifier: ImageClassifier, model_id: str) -> Any:
     """``mlflow.pyfunc.log_model`` of the model defined by the file ``code`` (:data:`MODEL_CODE`) into the logged
-    model ``model_id`` (:func:`model_of_run`), carrying ``carried`` (ddpipe's source, a user's network module); its
-    ModelInfo."""
+    model ``model_id`` (:func:`model_of_run`); its ModelInfo."""
     return mlflow.pyfunc.log_model(
         name="model", model_id=model_id, python_model=str(code), artifacts={"weights": str(model_path)},
         # no input schema: N x H x W and N x C x H x W, integers or [0, 1] floats are all accepted
         signature=mlflow.models.ModelSignature(outputs=prediction_schema()), input_example=input_example,
-        code_paths=carried,
-        pip_requirements=pinned(*SERVED_REQUIREMENTS, *(["timm"] if kind(model_name) == "timm" else [])),
+        # ddpipe itself (which MODEL_CODE imports), and a network of the user's (model.name module:Class) with its
+        # file or package
+        code_paths=[str(Path(__file__).parent), *code_paths(model_name)],
+        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
+                          f"torchvision=={_torchvision_version()}", "omegaconf", "numpy", "pandas"],
         metadata={"classes": classifier.classes, "image_size": list(classifier.image_size),
                   "num_channels": classifier.num_channels, "exported_epoch": classifier.exported_epoch,
                   "input": "uint8 pixels (N x H x W or N x C x H x W) or floats in [0, 1]",
@@ -309,3 +272,8 @@ def _has_model(mlflow: Any, run_id: str, exported_epoch: Any) -> bool:
                                         filter_string=f"source_run_id = '{run_id}' AND name = 'model'")
     return any(str(m.status).upper().endswith("READY") for m in found)
 
+
+def _torchvision_version() -> str:
+    import torchvision
+
+    return torchvision.__version__.split("+")[0]
