@@ -9,18 +9,39 @@ BIN    := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 
-.PHONY: setup venv data-package repro test test-fast test-slurm test-gpu lint bench clean-runs ui-deps slurm-deps \
-	server-deps ssh-deps qemu-deps tracking-server
+.PHONY: setup setup-runtime venv venv-runtime lock data-package repro test test-fast test-slurm test-gpu lint bench \
+	clean-runs ui-deps slurm-deps server-deps ssh-deps qemu-deps tracking-server
+
+# The venv is installed from the lock (uv.lock: every package at an exact version, with its hashes) by uv, itself
+# pinned here: `make repro` the runtime set, `make test` with the dev tools (pytest, ruff, the schemas' checkers).
+# Byte code compiled at install: these hosts set PYTHONDONTWRITEBYTECODE=1, and without it every process of the suite
+# compiles torch's and MLflow's imports again (BENCHMARKS.md, "Set-up time").
+UV_VERSION := 0.13.9
+UV := $(BIN)/uv
+UV_SYNC := UV_PROJECT_ENVIRONMENT=$(abspath $(VENV)) $(UV) sync --locked --inexact --compile-bytecode
 
 setup: venv data-package
+setup-runtime: venv-runtime data-package
 
 venv: $(VENV)/.installed
+venv-runtime: $(VENV)/.installed-runtime
 
-$(VENV)/.installed: pyproject.toml
+$(UV):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install -e '.[dev]'
+	$(BIN)/python -m pip install -q "uv==$(UV_VERSION)"
+
+$(VENV)/.installed: uv.lock pyproject.toml | $(UV)
+	$(UV_SYNC) --extra dev
+	touch $@ $(VENV)/.installed-runtime
+
+$(VENV)/.installed-runtime: uv.lock pyproject.toml | $(UV)
+	$(UV_SYNC)
 	touch $@
+
+# The lock afresh: the newest versions pyproject.toml allows. An untested combination until the suite has run on it.
+lock: | $(UV)
+	$(UV) lock --upgrade
+	@echo "uv.lock refreshed: run 'make test' (the suite against the new versions) before committing it"
 
 # The default dataset without internet: Debian's package, where apt-get exists and we are root.
 # Elsewhere the fetch stage downloads it (or set data.source_dir; see README).
@@ -71,13 +92,54 @@ qemu-deps:
 		(apt-get update -q && apt-get install -y -q qemu-user) || echo "warning: could not install qemu-user"; \
 	else echo "note: qemu-x86_64 missing and apt-get unavailable (or not root); the emulated AVX2 test will skip"; fi
 
+# The training image (Containerfile) with podman: runc and cgroupfs, as deploy/podman/containers.conf says. IMAGE_BASE:
+# any image with Python 3.11+; where no registry is reachable, `make image-base` makes one from Debian's packages
+# (debootstrap) and names it ddpipe-base:bookworm. The uv cache of this host feeds the build.
+IMAGE ?= localhost/ddpipe:latest
+IMAGE_BASE ?= docker.io/library/python:3.11-slim-bookworm
+PODMAN := CONTAINERS_CONF=$(abspath deploy/podman/containers.conf) podman
+UV_CACHE := $(shell $(UV) cache dir 2>/dev/null || echo $(HOME)/.cache/uv)
+# Behind a TLS-inspecting proxy (SSL_CERT_FILE names its CA bundle), the build trusts that bundle
+IMAGE_CA := $(if $(SSL_CERT_FILE),-v $(SSL_CERT_FILE):/etc/ssl/certs/ca-certificates.crt:ro)
+
+image-deps:
+	@if command -v podman >/dev/null 2>&1 && command -v runc >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -q && apt-get install -y -q podman runc debootstrap) || echo "warning: could not install podman"; \
+	else echo "note: podman, runc or debootstrap missing and apt-get unavailable (or not root); tests/test_image.py will skip"; fi
+
+image-base: image-deps
+	@if $(PODMAN) image exists localhost/ddpipe-base:bookworm; then echo "localhost/ddpipe-base:bookworm exists"; else \
+		root=$$(mktemp -d) && debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates,git \
+			bookworm $$root http://deb.debian.org/debian >/dev/null \
+		&& tar -C $$root -c . | $(PODMAN) import - localhost/ddpipe-base:bookworm && rm -rf $$root; fi
+
+image: | $(UV)
+	mkdir -p $(UV_CACHE)
+	$(PODMAN) build --network host -v $(UV_CACHE):/root/.cache/uv $(IMAGE_CA) -t $(IMAGE) --build-arg BASE=$(IMAGE_BASE) .
+
+# The image built from a debootstrap base and run as a 2-node job of two containers, stopped and resumed (minutes:
+# not part of `make test`)
+test-image: setup image-deps
+	python -m pytest -v -m image tests/test_image.py
+
+# The team's DVC remote (`store`, .dvc/config) for development and the tests: SeaweedFS's S3 API on 127.0.0.1, its
+# data in $(REMOTE_DIR), its endpoint and keys written into .dvc/config.local (never into git). A real store instead:
+# `dvc remote modify --local store endpointurl https://...` and the keys there or in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY.
+REMOTE_DIR ?= .object-store
+REMOTE_PORT ?= 8333
+remote: setup
+	python deploy/object_store.py start --dir $(REMOTE_DIR) --port $(REMOTE_PORT)
+	python deploy/object_store.py dvc-remote --dir $(REMOTE_DIR)
+	python deploy/object_store.py check
+
 # A team's tracking server on this host: PostgreSQL + mlflow server with users (docs/tracking.md). The admin's
 # password comes from MLFLOW_AUTH_ADMIN_PASSWORD (or TRACKING_SERVER_ARGS=--admin-password-file FILE).
 TRACKING_SERVER_ARGS ?= --dir tracking-server --host 127.0.0.1 --port 5000
 tracking-server: setup server-deps
 	python deploy/tracking_server.py start $(TRACKING_SERVER_ARGS)
 
-repro: setup
+repro: setup-runtime
 	dvc repro
 
 # A test file per core at once (pytest-xdist; a file's tests stay together, so its module fixtures start once), the
@@ -85,7 +147,7 @@ repro: setup
 TEST_WORKERS ?= auto
 TEST_DIST = --dist loadfile --no-loadscope-reorder
 test: setup ui-deps slurm-deps server-deps ssh-deps qemu-deps
-	python -m pytest -n $(TEST_WORKERS) $(TEST_DIST)
+	python -m pytest -n $(TEST_WORKERS) $(TEST_DIST) -m "not image"
 
 # The SLURM tests alone: a two-node cluster on this host runs, stops and requeues train.sbatch jobs.
 test-slurm: setup slurm-deps
@@ -98,7 +160,7 @@ test-gpu: setup
 	python -m pytest -v tests/test_gpu.py
 
 test-fast: setup
-	python -m pytest -n $(TEST_WORKERS) $(TEST_DIST) -m "not slow"
+	python -m pytest -n $(TEST_WORKERS) $(TEST_DIST) -m "not slow and not image"
 
 lint: setup
 	ruff check src stages tests bench

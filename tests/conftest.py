@@ -109,7 +109,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     wall = time.monotonic() - _started[0]
     everything = config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword
-    budget = {"": SUITE_BUDGET_S, "not slow": FAST_BUDGET_S}.get(config.option.markexpr) if everything else None
+    budget = {"not image": SUITE_BUDGET_S, "not slow and not image": FAST_BUDGET_S}.get(config.option.markexpr) \
+        if everything else None
     write = terminalreporter.write_line
     terminalreporter.section("what the suite cost")
     workers = getattr(config.option, "numprocesses", None)  # pytest-xdist's -n, resolved to a count
@@ -336,6 +337,31 @@ def run(cmd: list[str] | str, cwd: Path = ROOT, env: dict | None = None, timeout
         raise AssertionError(f"{cmd} exited {result.returncode}\nstdout:\n{result.stdout[-4000:]}\n"
                              f"stderr:\n{result.stderr[-6000:]}")
     return result
+
+
+# A Python in which ddpipe cannot be imported (its editable install's path taken off sys.path: what a machine without
+# ddpipe has), loading a logged model, which must bring ddpipe with it, and answering the images of a .npy file
+WITHOUT_DDPIPE = """
+import importlib.util, json, os, sys
+sys.path[:] = [p for p in sys.path if p not in ("", ".") and os.path.realpath(p) not in sys.argv[1].split(os.pathsep)]
+assert importlib.util.find_spec("ddpipe") is None, "ddpipe is still importable"
+import mlflow.pyfunc, numpy as np
+mlflow.set_tracking_uri(sys.argv[2])
+answer = mlflow.pyfunc.load_model(sys.argv[3]).predict(np.load(sys.argv[4]))
+print(json.dumps({"labels": answer["label"].tolist(), "ddpipe": sys.modules["ddpipe"].__file__}))
+"""
+
+
+def predict_without_ddpipe(model_uri: str, tracking_uri: str, images: np.ndarray, workdir: Path) -> tuple[list, str]:
+    """``model_uri``'s labels for ``images``, loaded in a Python where ddpipe is not importable (:data:`WITHOUT_DDPIPE`,
+    from ``workdir``), and the file its ddpipe came from."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    np.save(workdir / "images.npy", images)
+    where = os.pathsep.join(os.path.realpath(p) for p in (ROOT, ROOT / "src"))  # the checkout, its editable install
+    said = run([sys.executable, "-c", WITHOUT_DDPIPE, where, tracking_uri, model_uri, str(workdir / "images.npy")],
+               cwd=workdir, env={"MLFLOW_TRACKING_URI": ""}).stdout
+    answer = json.loads(said.strip().splitlines()[-1])
+    return answer["labels"], answer["ddpipe"]
 
 
 def wait_for_url(url: str, seconds: float, proc: subprocess.Popen | None = None) -> None:

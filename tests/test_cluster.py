@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -115,6 +116,9 @@ def test_kubernetes_submission_is_an_indexed_job_per_experiment_valid_for_the_ap
     pod = two["spec"]["template"]["spec"]
     assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 4}
     assert pod["subdomain"] == two["metadata"]["name"]
+    # the image's own interpreter in the pods and in what they read, never this machine's
+    assert pod["containers"][0]["command"][0] == kubernetes.IMAGE_PYTHON
+    assert sys.executable not in "".join(f.read_text() for f in out.iterdir()), sorted(out.iterdir())
     assert kubernetes.rendezvous(two["metadata"]["name"]).startswith(two["metadata"]["name"] + "-0.")
     assert {"action": "Ignore", "onExitCodes": {"containerName": "ddpipe", "operator": "In", "values": [75]}} in \
         two["spec"]["podFailurePolicy"]["rules"]

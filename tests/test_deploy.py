@@ -15,6 +15,7 @@ from ddpipe.core.exits import EXIT_PREEMPTED
 from tests.conftest import PARAMS, ROOT
 
 K8S = ROOT / "deploy" / "k8s"
+IMAGE_PYTHON = "/opt/ddpipe/venv/bin/python"  # the training image's own interpreter (Containerfile)
 K8S_VERSION = "1.31"  # podFailurePolicy is GA from here: the oldest release checked; 1.37 (newest bundled) too
 GRACE_MARGIN_S = 30   # for the step in progress and the process exits, beyond torchrun's own wait
 
@@ -34,41 +35,56 @@ def test_k8s_manifests_are_valid_for_the_kubernetes_api(name: str, version: str)
         kubernetes_validate.validate(doc, version, strict=True)
 
 
-def _check_fields(value: object, model: type, where: str) -> None:
-    """Every key of ``value`` is a field of the Kubeflow SDK model ``model`` (generated from the
-    training operator's OpenAPI spec), recursively down to Kubernetes' own types."""
-    import kubeflow.training.models as kf
+def _check_value(item: object, annotation: object, where: str) -> None:
+    """``item`` against its field's type: a model's keys (:func:`_check_fields`), through Optional, lists and maps."""
+    import types
+    import typing
 
+    from pydantic import BaseModel
+
+    origin, args = typing.get_origin(annotation), [a for a in typing.get_args(annotation) if a is not type(None)]
+    if origin in (typing.Union, types.UnionType):
+        assert len(args) == 1, f"{where}: a union of {args}"
+        _check_value(item, args[0], where)
+    elif origin is list and isinstance(item, list):
+        for i, element in enumerate(item):
+            _check_value(element, args[0], f"{where}[{i}]")
+    elif origin is dict and isinstance(item, dict):
+        for key, element in item.items():
+            _check_value(element, args[1], f"{where}.{key}")
+    elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        _check_fields(item, annotation, where)
+
+
+def _check_fields(value: object, model: type, where: str) -> None:
+    """Every key of ``value`` is a field of the Kubeflow Trainer API's model ``model`` (generated from its OpenAPI
+    spec, Kubernetes' own types included), recursively: the models themselves ignore unknown keys."""
     if not isinstance(value, dict):
         return
-    fields = {json_key: attr for attr, json_key in model.attribute_map.items()}
+    fields = {info.alias or name: info for name, info in model.model_fields.items()}
     unknown = set(value) - set(fields)
     assert not unknown, f"{where}: {sorted(unknown)} are not fields of {model.__name__}"
     for key, item in value.items():
-        kind = model.openapi_types[fields[key]]
-        if m := re.fullmatch(r"dict\(str, (\w+)\)", kind):
-            for k, v in item.items():
-                _check_fields(v, getattr(kf, m[1]), f"{where}.{key}.{k}")
-        elif hasattr(kf, kind):
-            _check_fields(item, getattr(kf, kind), f"{where}.{key}")
+        _check_value(item, fields[key].annotation, f"{where}.{key}")
 
 
-def test_k8s_pytorchjob_has_only_fields_of_the_kubeflow_api_and_valid_pod_templates() -> None:
-    """kubernetes-validate has no schema for the PyTorchJob custom resource: its fields are checked
-    against the Kubeflow training SDK's models, and each replica's pod template against Kubernetes'
-    PodTemplate schema."""
-    import kubernetes_validate
-    from kubeflow.training.models import KubeflowOrgV1PyTorchJob
+def test_k8s_trainjob_has_only_fields_of_the_kubeflow_trainer_api_and_runs_the_image() -> None:
+    """kubernetes-validate has no schema for Kubeflow Trainer's TrainJob: it is validated by the Trainer API's models
+    (required fields, types) and its keys checked against them; it runs the image's own interpreter, never a path of
+    the host that wrote it."""
+    from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
 
-    (job,) = _docs("pytorchjob.yaml")
-    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
-    _check_fields(job, KubeflowOrgV1PyTorchJob, "PyTorchJob")
-    for role, spec in job["spec"]["pytorchReplicaSpecs"].items():
-        assert spec["restartPolicy"] in ("Always", "OnFailure", "Never", "ExitCode"), role
-        pod_template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"ddpipe-{role.lower()}"},
-                        "template": spec["template"]}
-        for version in (K8S_VERSION, "1.37"):
-            kubernetes_validate.validate(pod_template, version, strict=True)
+    (job,) = _docs("trainjob.yaml")
+    assert (job["apiVersion"], job["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
+    assert job["spec"]["runtimeRef"]["name"] == "torch-distributed"
+    TrainerV1alpha1TrainJob.from_dict(job)
+    _check_fields(job, TrainerV1alpha1TrainJob, "TrainJob")
+    assert job["spec"]["trainer"]["command"][0] == IMAGE_PYTHON and str(ROOT) not in yaml.safe_dump(job)
+
+
+def test_the_manifests_run_the_interpreter_the_containerfile_makes() -> None:
+    containerfile = (ROOT / "Containerfile").read_text()
+    assert f"UV_PROJECT_ENVIRONMENT={IMAGE_PYTHON.removesuffix('/bin/python')}" in containerfile
 
 
 def test_k8s_stop_settings_match_the_preemption_code() -> None:
@@ -76,12 +92,14 @@ def test_k8s_stop_settings_match_the_preemption_code() -> None:
     container runs ddpipe.launch (PID 1 is the only process the kubelet signals)."""
     shutdown = load_config(params_file=PARAMS).distributed.shutdown_timeout_s
     (_, job) = _docs("indexed-job.yaml")
-    (torch_job,) = _docs("pytorchjob.yaml")
-    pods = [job["spec"]["template"]["spec"],
-            *(s["template"]["spec"] for s in torch_job["spec"]["pytorchReplicaSpecs"].values())]
+    (train_job,) = _docs("trainjob.yaml")
+    (node,) = train_job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    pods = [job["spec"]["template"]["spec"], node["template"]["spec"]["template"]["spec"]]
     for pod in pods:
         assert pod["terminationGracePeriodSeconds"] >= shutdown + GRACE_MARGIN_S
-        assert pod["containers"][0]["command"][:3] == ["python", "-m", "ddpipe.launch"]
+    commands = (job["spec"]["template"]["spec"]["containers"][0]["command"], train_job["spec"]["trainer"]["command"])
+    for command in commands:
+        assert command[:3] == [IMAGE_PYTHON, "-m", "ddpipe.launch"]  # the image's interpreter (Containerfile)
     rules = job["spec"]["podFailurePolicy"]["rules"]
     assert {"action": "Ignore", "onExitCodes": {"containerName": "ddpipe", "operator": "In",
                                                 "values": [EXIT_PREEMPTED]}} in rules

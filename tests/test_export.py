@@ -25,6 +25,7 @@ from tests.conftest import (
     TIMED_EXPORT,
     args_for,
     make_imagefolder,
+    predict_without_ddpipe,
     run,
 )
 
@@ -145,7 +146,8 @@ def test_an_int8_copy_made_for_another_cpu_kind_holds_its_weights_type_and_says_
 
 
 @pytest.mark.cpu_kernels
-def test_the_served_onnx_model_answers_a_raw_image_request_as_the_pytorch_one(trained: list[str]) -> None:
+def test_the_served_onnx_model_answers_a_raw_image_request_as_the_pytorch_one(trained: list[str],
+                                                                             tmp_path: Path) -> None:
     import mlflow.pyfunc
 
     from ddpipe.models.served import ImageClassifier
@@ -158,6 +160,10 @@ def test_the_served_onnx_model_answers_a_raw_image_request_as_the_pytorch_one(tr
     answer = served.predict(request)
     assert list(answer.columns) == ["label", "class_index", "probability", "probabilities"]
     assert list(answer["label"]) == ImageClassifier.load(cfg.paths.model).predict(request)["label"]
+    # where ddpipe is not installed: the logged ONNX model carries it
+    labels, origin = predict_without_ddpipe(version.tags["export_onnx_model"], cfg.mlflow.tracking_uri, request,
+                                            tmp_path / "bare")
+    assert labels == list(answer["label"]) and not origin.startswith(str(ROOT)), origin
     with pytest.raises(ValueError, match="integer pixels must lie in 0-255"):  # bad input: refused before any work
         served.predict(np.full((1, 28, 28), 300, dtype=np.int64))
 

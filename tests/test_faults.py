@@ -225,3 +225,22 @@ def test_a_loss_gone_to_inf_stops_every_rank_at_one_step_and_keeps_the_last_good
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     (r,) = client.search_runs([client.get_experiment_by_name("ddpipe").experiment_id])
     assert r.info.status == "FAILED" and said[0] in r.data.tags["ddpipe.end_reason"], r.data.tags
+
+
+@pytest.mark.slow
+def test_the_environment_is_in_every_runs_record_and_a_changed_lock_shows_in_dvc_status(repro_clone: Path) -> None:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{repro_clone}/mlflow.db")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    trainings = [r for r in runs if "world_size" in r.data.tags]
+    assert trainings, [r.data.tags for r in runs]
+    for r in trainings:  # the lock's digest, and this suite's venv (made from the lock) holding it
+        assert r.data.tags["ddpipe.env_lock"] == _digest(repro_clone / "uv.lock")
+        assert r.data.tags["ddpipe.env_matches_lock"] == "true"
+    assert "up to date" in run(["dvc", "status"], cwd=repro_clone, env=CLONE_ENV).stdout
+    with open(repro_clone / "uv.lock", "a") as lock:
+        lock.write("\n")
+    status = run(["dvc", "status"], cwd=repro_clone, env=CLONE_ENV).stdout
+    for stage in ("fetch", "prepare", "train", "evaluate", "export"):
+        assert re.search(rf"^{stage}:\n(\t.*\n)*?\t\tmodified:\s+uv\.lock$", status, re.MULTILINE), status

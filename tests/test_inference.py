@@ -24,7 +24,17 @@ from ddpipe.models.catalog import build_model
 from ddpipe.models.nets import predict_logits
 from ddpipe.models.saved import MODEL_FORMAT, load_model, save_model
 from ddpipe.models.served import ImageClassifier, prediction_frame
-from tests.conftest import OWN_NET, ROOT, VENV_BIN, args_for, free_port, run, subprocess_env, wait_for_url
+from tests.conftest import (
+    OWN_NET,
+    ROOT,
+    VENV_BIN,
+    args_for,
+    free_port,
+    predict_without_ddpipe,
+    run,
+    subprocess_env,
+    wait_for_url,
+)
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +223,15 @@ def test_the_model_is_logged_as_code_without_a_pickle_or_a_warning(tmp_path: Pat
     assert np.array_equal(np.stack(answer["probabilities"]), np.stack(expected["probabilities"]))
     (version,) = mlflow.MlflowClient().search_model_versions("name = 'code-model'")
     assert version.tags["run_id"] == run.info.run_id == version.run_id and version.tags["git_commit"] == "abc123"
+    # where ddpipe is not installed: the model carries it (its own copy answers), its requirements pinned
+    labels, origin = predict_without_ddpipe(f"models:/code-model/{version.version}", f"sqlite:///{tmp_path}/mlflow.db",
+                                            _images(5), tmp_path / "bare")
+    assert labels == expected["label"].tolist() and not origin.startswith(str(ROOT)), origin
+    requirements = (local / "requirements.txt").read_text().split()
+    assert {r.split("==")[0] for r in requirements} >= {"torch", "torchvision", "numpy", "pandas"}, requirements
+    assert all("==" in r for r in requirements if not r.startswith("mlflow")), requirements
+    # not this repository's lock, on which `--env-manager uv` would build ddpipe itself
+    assert not (local / "uv.lock").exists() and not (local / "pyproject.toml").exists()
 
 
 def test_eval_flips_average_the_mirror_images_logits(tmp_path: Path) -> None:

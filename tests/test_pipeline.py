@@ -85,6 +85,7 @@ def test_each_stage_depends_on_exactly_the_library_modules_it_imports(stage: str
     listed = {d for d in spec["deps"] if d.startswith("src/ddpipe/")}
     assert listed == {_dep(m) for m in modules}
     assert {s.relative_to(ROOT).as_posix() for s in scripts} <= set(spec["deps"])
+    assert "uv.lock" in spec["deps"]  # the environment it ran in: a changed lock runs it again
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,17 @@ from mlflow.pyfunc import PythonModelContext
 
 from ddpipe.core.devices import cpu_int8_kind
 from ddpipe.models.saved import INPUT_NAME, INT8_CPU_KEY, INT8_WEIGHTS, OUTPUT_NAME
-from ddpipe.models.served import ImageInput, model_of_run, prediction_frame, prediction_schema
+from ddpipe.models.served import (
+    CARRIED_IMPORT,
+    SERVED_REQUIREMENTS,
+    ImageInput,
+    carried_package,
+    model_of_run,
+    pinned,
+    prediction_frame,
+    prediction_schema,
+    requirements_of_its_own,
+)
 
 
 def ort_session(path: str | Path, threads: int | None = None, spin: bool = True) -> Any:
@@ -83,6 +93,7 @@ class MlflowOnnxClassifier(mlflow.pyfunc.PythonModel):
 
 MODEL_CODE_FILE = "ddpipe_onnx_classifier.py"
 MODEL_CODE = '''"""ddpipe's ONNX classifier as MLflow loads it (models-from-code); the graph is its artifact."""
+''' + CARRIED_IMPORT + '''
 import mlflow.models
 
 from ddpipe.models.onnx_served import MlflowOnnxClassifier
@@ -94,19 +105,18 @@ mlflow.models.set_model(MlflowOnnxClassifier())
 def log_onnx_pyfunc(mlflow: Any, run_id: str, name: str, graph: Path, input_example: Any = None) -> Any:
     """The graph ``graph`` into run ``run_id`` as the pyfunc model ``name`` (:class:`MlflowOnnxClassifier`, logged as
     code, no pickle); its ModelInfo. ``input_example``: a request (default: one black image at the graph's size)."""
-    import onnxruntime
-
     classifier = OnnxClassifier(graph)
     if input_example is None:
         input_example = np.zeros((1, classifier.num_channels, *classifier.image_size), dtype=np.uint8)
-    with tempfile.TemporaryDirectory() as tmp, model_of_run(mlflow, run_id, name) as model_id:
+    with tempfile.TemporaryDirectory() as tmp, model_of_run(mlflow, run_id, name) as model_id, \
+            requirements_of_its_own():
         code = Path(tmp) / MODEL_CODE_FILE
         code.write_text(MODEL_CODE)
         return mlflow.pyfunc.log_model(
             name=name, model_id=model_id, python_model=str(code), artifacts={"graph": str(graph)},
             signature=mlflow.models.ModelSignature(outputs=prediction_schema()), input_example=input_example,
-            code_paths=[str(Path(__file__).parent)],
-            pip_requirements=[f"onnxruntime=={onnxruntime.__version__}", "torch", "numpy", "pandas"],
+            code_paths=[str(carried_package(Path(tmp)))],  # ddpipe's source: it loads where ddpipe is not installed
+            pip_requirements=pinned("onnxruntime", *SERVED_REQUIREMENTS),
             metadata={"classes": classifier.classes, "image_size": list(classifier.image_size),
                       "num_channels": classifier.num_channels, "exported_epoch": classifier.exported_epoch,
                       "graph": os.path.basename(graph), "runtime": "onnxruntime"})

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 from mlflow.pyfunc import PythonModelContext
 
 from ddpipe.data.transforms import BatchTransform, EvalCrop
-from ddpipe.models.catalog import code_paths
+from ddpipe.models.catalog import code_paths, kind
 from ddpipe.models.nets import predict_logits
 from ddpipe.models.saved import SavedModel, load_model
 
@@ -189,14 +191,78 @@ def prediction_frame(classifier: ImageClassifier, images: Any) -> pd.DataFrame:
 # runs it when the model loads, with the model's code_paths (ddpipe, a user's own network) on sys.path; nothing is
 # unpickled. Written out when logging rather than kept as a module: nothing imports it, and as part of this module
 # an edit to it re-runs the train stage, which logs the model.
+# Where a logged model keeps the ddpipe it carries (carried_package): code/<CARRIED_DIR>/ddpipe. Not code/ddpipe, which
+# MLflow's code/ on sys.path (prepended, for the rest of the process) would make shadow an installed ddpipe: the
+# model's code takes the carried copy only where ddpipe cannot be imported (CARRIED_IMPORT).
+CARRIED_DIR = "ddpipe_source"
+CARRIED_IMPORT = f'''import importlib.util
+import os
+import sys
+
+if importlib.util.find_spec("ddpipe") is None:  # not installed here: the copy of ddpipe this model carries
+    sys.path += [os.path.join(p, "{CARRIED_DIR}") for p in list(sys.path)
+                 if os.path.isdir(os.path.join(p, "{CARRIED_DIR}", "ddpipe"))][:1]
+'''
 MODEL_CODE_FILE = "ddpipe_classifier.py"
 MODEL_CODE = '''"""ddpipe's image classifier as MLflow loads it (models-from-code); the weights are its artifact."""
+''' + CARRIED_IMPORT + '''
 import mlflow.models
 
 from ddpipe.models.served import MlflowImageClassifier
 
 mlflow.models.set_model(MlflowImageClassifier())
 '''
+
+
+# What the served model's code imports besides ddpipe (which it carries: carried_package): pinned to the versions that
+# logged it, so MLflow's own environment managers (`mlflow models serve`'s default, `--env-manager uv`) build the same
+SERVED_REQUIREMENTS = ("torch", "torchvision", "numpy", "pandas")
+
+
+def carried_package(directory: Path) -> Path:
+    """The part of this package a served model runs, its source (no byte code) copied into
+    ``directory``/:data:`CARRIED_DIR`/ddpipe; that folder for a logged model's ``code_paths``: the model's code
+    (:data:`CARRIED_IMPORT`) imports it where ddpipe is not installed, as the version that logged it.
+    The part: ``models`` and the layers beneath it (``ddpipe.LAYERS``: a package imports only those), 260 KB of the
+    package's 715."""
+    from ddpipe import LAYERS
+
+    package, home = Path(__file__).resolve().parents[1], Path(__file__).resolve().parent.name
+    level = next(i for i, layer in enumerate(LAYERS) if home in layer)
+    carried = Path(directory) / CARRIED_DIR / package.name
+    carried.mkdir(parents=True)
+    shutil.copy2(package / "__init__.py", carried)
+    skipped = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in sorted({name for layer in LAYERS[:level] for name in layer} | {home}):
+        shutil.copytree(package / name, carried / name, ignore=skipped)
+    return carried.parent
+
+
+def pinned(*names: str) -> list[str]:
+    """``name==version`` of each installed distribution (those not installed are left out)."""
+    pins = []
+    for name in names:
+        try:
+            pins.append(f"{name}=={version(name).split('+')[0]}")
+        except PackageNotFoundError:
+            continue
+    return pins
+
+
+@contextlib.contextmanager
+def requirements_of_its_own() -> Iterator[None]:
+    """While a model is logged: MLflow's detection of a uv project off. Left on, MLflow copies this repository's
+    uv.lock and pyproject.toml into the model, and `mlflow models serve --env-manager uv` then runs `uv sync` on them,
+    which builds ddpipe itself and fails; the model's own pinned requirements (:func:`pinned`) are what it needs."""
+    saved = os.environ.get("MLFLOW_UV_AUTO_DETECT")
+    os.environ["MLFLOW_UV_AUTO_DETECT"] = "false"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("MLFLOW_UV_AUTO_DETECT", None)
+        else:
+            os.environ["MLFLOW_UV_AUTO_DETECT"] = saved
 
 
 @contextlib.contextmanager
@@ -227,11 +293,13 @@ def log_pyfunc(mlflow: Any, run_id: str, model_path: Path, input_example: Any, m
     if _has_model(mlflow, run_id, classifier.exported_epoch):
         print(f"MLflow run {run_id} already holds this model; not logging it again", flush=True)
         return
-    with tempfile.TemporaryDirectory() as tmp, model_of_run(mlflow, run_id, "model") as model_id:
+    with tempfile.TemporaryDirectory() as tmp, model_of_run(mlflow, run_id, "model") as model_id, \
+            requirements_of_its_own():
         code = Path(tmp) / MODEL_CODE_FILE
         code.write_text(MODEL_CODE)
+        carried = [str(carried_package(Path(tmp))), *code_paths(model_name)]
         info = _log_pyfunc(mlflow, code, model_path, input_example, model_name, registered_model_name, classifier,
-                           model_id)
+                           model_id, carried)
     client = mlflow.MlflowClient()
     client.set_tag(run_id, "ddpipe.logged_model_epoch", str(classifier.exported_epoch))
     if registered_model_name and info.registered_model_version:
@@ -241,18 +309,17 @@ def log_pyfunc(mlflow: Any, run_id: str, model_path: Path, input_example: Any, m
 
 
 def _log_pyfunc(mlflow: Any, code: Path, model_path: Path, input_example: Any, model_name: str,
-                registered_model_name: str | None, classifier: ImageClassifier, model_id: str) -> Any:
+                registered_model_name: str | None, classifier: ImageClassifier, model_id: str,
+                carried: list[str]) -> Any:
     """``mlflow.pyfunc.log_model`` of the model defined by the file ``code`` (:data:`MODEL_CODE`) into the logged
-    model ``model_id`` (:func:`model_of_run`); its ModelInfo."""
+    model ``model_id`` (:func:`model_of_run`), carrying ``carried`` (ddpipe's source, a user's network module); its
+    ModelInfo."""
     return mlflow.pyfunc.log_model(
         name="model", model_id=model_id, python_model=str(code), artifacts={"weights": str(model_path)},
         # no input schema: N x H x W and N x C x H x W, integers or [0, 1] floats are all accepted
         signature=mlflow.models.ModelSignature(outputs=prediction_schema()), input_example=input_example,
-        # ddpipe itself (which MODEL_CODE imports), and a network of the user's (model.name module:Class) with its
-        # file or package
-        code_paths=[str(Path(__file__).parent), *code_paths(model_name)],
-        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
-                          f"torchvision=={_torchvision_version()}", "omegaconf", "numpy", "pandas"],
+        code_paths=carried,
+        pip_requirements=pinned(*SERVED_REQUIREMENTS, *(["timm"] if kind(model_name) == "timm" else [])),
         metadata={"classes": classifier.classes, "image_size": list(classifier.image_size),
                   "num_channels": classifier.num_channels, "exported_epoch": classifier.exported_epoch,
                   "input": "uint8 pixels (N x H x W or N x C x H x W) or floats in [0, 1]",
@@ -272,8 +339,3 @@ def _has_model(mlflow: Any, run_id: str, exported_epoch: Any) -> bool:
                                         filter_string=f"source_run_id = '{run_id}' AND name = 'model'")
     return any(str(m.status).upper().endswith("READY") for m in found)
 
-
-def _torchvision_version() -> str:
-    import torchvision
-
-    return torchvision.__version__.split("+")[0]

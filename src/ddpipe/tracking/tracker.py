@@ -31,6 +31,7 @@ from ddpipe.core.environment import CLUSTER_JOB_ENV, CLUSTER_LOG_ENV
 from ddpipe.core.errors import one_line
 from ddpipe.core.exits import Preempted, TrialPruned
 from ddpipe.core.files import atomic_write_json
+from ddpipe.core.lockfile import environment_tags
 from ddpipe.core.processes import alive_here, this_process
 from ddpipe.core.ranks import DistInfo
 from ddpipe.data.store import load_meta
@@ -177,7 +178,7 @@ class MlflowTracker(Tracker):
         device_name = torch.cuda.get_device_name(info.device) if info.device.type == "cuda" \
             else (platform.processor() or platform.machine())
         return {
-            **git_tags(), "dvc_exp_name": os.environ.get("DVC_EXP_NAME", ""),
+            **git_tags(), **environment_tags(), "dvc_exp_name": os.environ.get("DVC_EXP_NAME", ""),
             "dvc_exp_baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV", ""),
             **{tag: os.environ[var] for tag, var in CLUSTER_TAGS.items() if os.environ.get(var)},
             "world_size": str(info.world_size), "num_nodes": str(info.num_nodes),

@@ -1,8 +1,9 @@
 """Kubernetes: an Indexed Job per queued experiment (N pods for N nodes) and a headless Service that names its pods,
 as deploy/k8s/indexed-job.yaml does for one training. Pod 0 runs the experiment's driver (``dvc exp run`` in its
-workspace); the other pods wait for that workspace and run one launcher each, joining pod 0's rendezvous. The
-repository, its venv and DVC cache are on a PersistentVolumeClaim (``cluster.volume_claim``) mounted at the same
-path as here, so the manifests name the same files as the submitting machine.
+workspace); the other pods wait for that workspace and run one launcher each, joining pod 0's rendezvous. Every pod
+runs the training image (``cluster.image``, the Containerfile's) with its own interpreter (:data:`IMAGE_PYTHON`), never
+the submitting machine's; the repository and its DVC cache are on a PersistentVolumeClaim (``cluster.volume_claim``)
+mounted at the same path as here, so the manifests name the same files as the submitting machine.
 
 Written and validated offline (the tests check them against the Kubernetes API's schemas); not run on a cluster
 here. ``submit --dry-run DIR`` writes them without kubectl.
@@ -26,6 +27,8 @@ from ddpipe.launch.torchrun import RDZV_PORT
 FORWARD = STOP_SIGNALS  # the kubelet signals PID 1 only: the driver passes stops on
 PORT = RDZV_PORT
 WARN_SECONDS = 180  # no time-limit warning here; a SIGUSR1 sent by hand gets what SLURM's gets
+# The training image's interpreter: the Containerfile's venv (UV_PROJECT_ENVIRONMENT), holding the lock's packages
+IMAGE_PYTHON = "/opt/ddpipe/venv/bin/python"
 GRACE_SECONDS = 120  # SIGTERM then SIGKILL: the step in progress plus a checkpoint (deploy/k8s/indexed-job.yaml)
 
 
@@ -43,8 +46,7 @@ def rendezvous(job: str) -> str:
     return f"{job}-0.{job}:{PORT}"
 
 
-def manifests(cfg: Config, job: str, submission: str, name: str, python: str, manifest: Path, index: int,
-              repo: Path) -> list[dict]:
+def manifests(cfg: Config, job: str, submission: str, name: str, manifest: Path, index: int, repo: Path) -> list[dict]:
     """The Service and the Indexed Job of experiment ``name`` (``index`` in ``manifest``)."""
     c, nodes = cfg.cluster, int(cfg.distributed.nnodes)
     labels = {"app.kubernetes.io/name": "ddpipe", "ddpipe.cluster/submission": submission}
@@ -57,7 +59,7 @@ def manifests(cfg: Config, job: str, submission: str, name: str, python: str, ma
         resources["limits"] = {"nvidia.com/gpu": c.gpus_per_node}
     container = {
         "name": "ddpipe", "image": c.image, "workingDir": str(repo),
-        "command": [python, "-m", "ddpipe.launch.cluster.job", str(manifest), str(index)],
+        "command": [IMAGE_PYTHON, "-m", "ddpipe.launch.cluster.job", str(manifest), str(index)],
         "env": [{"name": K8S_JOB_ENV, "value": job}],
         "ports": [{"name": "rdzv", "containerPort": PORT}],
         "volumeMounts": [{"name": "workspace", "mountPath": str(repo)}],

@@ -130,6 +130,8 @@ def submit(repo: Path, overrides: list[str], dry_run: Path | None,
     for g, ((sched, _, res), members) in enumerate(groups.items()):
         manifest = out / f"group-{g}.json"
         m = {**base, "scheduler": sched, "experiments": [entry(repo, root, e, submission) for e in members]}
+        if sched == "kubernetes":  # the pods run the image's interpreter, not this machine's
+            m["python"] = kubernetes.IMAGE_PYTHON
         if sched == "slurm":
             path = out / f"group-{g}.sbatch"
             path.write_text(slurm.script(res, len(members), submission, sys.executable, manifest, root / "logs"))
@@ -138,7 +140,7 @@ def submit(repo: Path, overrides: list[str], dry_run: Path | None,
             docs = []
             for i, (e, x) in enumerate(zip(members, m["experiments"])):
                 x["job"] = kubernetes.job_name(submission, g * 1000 + i)
-                docs += kubernetes.manifests(e.cfg, x["job"], submission, e.name, sys.executable, manifest, i, repo)
+                docs += kubernetes.manifests(e.cfg, x["job"], submission, e.name, manifest, i, repo)
             path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
         manifest.write_text(json.dumps(m, indent=1))
         plans.append((sched, path, members, m))
