@@ -249,3 +249,27 @@ def test_a_checkpoint_records_its_format_and_one_newer_than_this_code_stops_the_
     with pytest.raises(ValueError, match=re.escape(said)):
         ckpt.load_latest(tmp_path, fp)
     assert older.exists() and newer.exists()
+
+
+def test_a_queued_experiments_checkpoints_are_its_own_when_any_parameter_differs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In DVC's copy of the repository (``$DVC_ROOT`` the user's), an experiment's checkpoints go to a folder of the
+    repository named by all its parameters: the same experiment again finds its own (and resumes), one differing in
+    any key, in the trajectory or not, another (tests/test_queue.py runs two such through DVC's queue)."""
+    from ddpipe.config.load import load_config
+    from ddpipe.engine.stage_outputs import anchored_checkpoints
+    from tests.conftest import PARAMS
+
+    repo, copy = tmp_path / "repo", tmp_path / "copy"
+    copy.mkdir()
+    monkeypatch.setenv("DVC_ROOT", str(repo))
+    monkeypatch.chdir(copy)
+
+    def place(*overrides: str) -> str:
+        return anchored_checkpoints(load_config(list(overrides), params_file=PARAMS)).paths.checkpoints
+
+    own = place()
+    assert own == place() and Path(own).parent == repo / "checkpoints" / "queued"
+    others = {place("train.model_epoch=last"), place("mlflow.sweep=left"), place("train.val_every_n_steps=50"),
+              place("seed=7")}
+    assert own not in others and len(others) == 4

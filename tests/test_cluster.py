@@ -317,8 +317,8 @@ def test_a_fresh_clone_reproduces_main_and_a_pushed_experiment_from_an_ssh_remot
     url, key, home = ssh_remote
     repo = repro_clone
     env = {**GIT_ENV, "HOME": str(home), "MLFLOW_TRACKING_URI": ""}
-    run(["dvc", "remote", "add", "-d", "store", url], cwd=repo, env=env)
-    run(["dvc", "remote", "modify", "--local", "store", "keyfile", str(key)], cwd=repo, env=env)
+    run(["dvc", "remote", "add", "-d", "ssh-store", url], cwd=repo, env=env)
+    run(["dvc", "remote", "modify", "--local", "ssh-store", "keyfile", str(key)], cwd=repo, env=env)
     run(["git", "commit", "-qam", "an ssh remote"], cwd=repo, env=env)
     origin = tmp_path / "origin.git"
     run(["git", "clone", "-q", "--bare", str(repo), str(origin)], env=env)
@@ -332,7 +332,7 @@ def test_a_fresh_clone_reproduces_main_and_a_pushed_experiment_from_an_ssh_remot
 
     other = tmp_path / "elsewhere"  # another user's machine: a clone, no cache, only the remotes
     run(["git", "clone", "-q", str(origin), str(other)], env=env)
-    run(["dvc", "remote", "modify", "--local", "store", "keyfile", str(key)], cwd=other, env=env)
+    run(["dvc", "remote", "modify", "--local", "ssh-store", "keyfile", str(key)], cwd=other, env=env)
     run(["dvc", "pull"], cwd=other, env=env, timeout=600)
     for f in ("models/model.pt", "metrics/test.json", "metrics/train.json"):
         assert (other / f).read_bytes() == (repo / f).read_bytes(), f
@@ -371,8 +371,8 @@ def test_nodes_that_share_nothing_clone_pull_and_push_through_the_git_and_dvc_re
     repo = repro_clone
     env = {"SLURM_CONF": str(cluster.conf), **GIT_ENV, "HOME": str(home), "MLFLOW_TRACKING_URI": tracking_server}
     commit_params(repo, SMALL, "cluster params")
-    run(["dvc", "remote", "add", "-d", "store", url], cwd=repo, env=env)
-    run(["dvc", "remote", "modify", "store", "keyfile", str(key)], cwd=repo, env=env)  # the nodes' credentials
+    run(["dvc", "remote", "add", "-d", "ssh-store", url], cwd=repo, env=env)
+    run(["dvc", "remote", "modify", "ssh-store", "keyfile", str(key)], cwd=repo, env=env)  # the nodes' credentials
     run(["git", "commit", "-qam", "an ssh remote"], cwd=repo, env=env)
     run(["dvc", "push"], cwd=repo, env=env, timeout=600)
     origin = tmp_path / "origin.git"

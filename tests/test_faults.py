@@ -203,12 +203,22 @@ def test_a_loss_gone_to_inf_stops_every_rank_at_one_step_and_keeps_the_last_good
     """2 processes at a learning rate of 1e30: the logits overflow within a few steps and the gradients are no longer
     finite. Every rank stops at that step before its update (none waits on a collective for a rank gone on), with one
     line naming the epoch, the step, the norm and the usual suspects; the MLflow run is FAILED with that line; the
-    newest checkpoint is the step before (the weights finite); nothing is written as if the training had finished."""
+    newest checkpoint is the step before (the weights finite); nothing is written as if the training had finished. As
+    a search's trial, it tells the study where it diverged and why, for the driver to record it pruned there."""
+    import optuna
     from mlflow import MlflowClient
 
+    from ddpipe.core.environment import TRIAL_ENV
+    from ddpipe.engine.pruning import open_storage
+
+    journal = str(tmp_path / "study.journal")
+    study = optuna.create_study(study_name="cliff", storage=open_storage(journal), direction="maximize")
+    trial = study.ask({"train.base_lr": optuna.distributions.FloatDistribution(1e-4, 3.0, log=True)})
+    spec = {"storage": journal, "study": "cliff", "trial": trial.number, "trial_id": trial._trial_id,
+            "metric": "val_accuracy", "pruner": "none", "startup_trials": 1}
     result = run(torchrun(2, *args_for(tmp_path, prepared, "train.optimizer=sgd", "train.base_lr=1e30",
                                        "train.warmup_epochs=0", "train.checkpoint_every_steps=1")),
-                 env=CLONE_ENV, check=False, timeout=300)
+                 env={**CLONE_ENV, TRIAL_ENV: json.dumps(spec)}, check=False, timeout=300)
     out = result.stdout + result.stderr
     assert result.returncode != 0
     said = [line for line in out.splitlines() if line.startswith("training diverged at epoch ")]
@@ -225,6 +235,8 @@ def test_a_loss_gone_to_inf_stops_every_rank_at_one_step_and_keeps_the_last_good
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     (r,) = client.search_runs([client.get_experiment_by_name("ddpipe").experiment_id])
     assert r.info.status == "FAILED" and said[0] in r.data.tags["ddpipe.end_reason"], r.data.tags
+    attrs = study.trials[trial.number].user_attrs
+    assert (attrs["pruned_epoch"], attrs["pruned_step"], attrs["diverged"]) == (epoch, step, said[0]), attrs
 
 
 @pytest.mark.slow

@@ -44,7 +44,7 @@ def test_the_train_stage_runs_the_launcher() -> None:
     script is the launcher's entry point (``python -m ddpipe.launch`` is the same command)."""
     assert yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]["cmd"] == "python stages/train.py"
     assert "from ddpipe.launch.torchrun import main" in (ROOT / "stages" / "train.py").read_text()
-    for launcher in ("deploy/slurm/train.sbatch", "deploy/k8s/indexed-job.yaml", "deploy/k8s/pytorchjob.yaml"):
+    for launcher in ("deploy/slurm/train.sbatch", "deploy/k8s/indexed-job.yaml", "deploy/k8s/trainjob.yaml"):
         text = (ROOT / launcher).read_text()
         assert "ddpipe.launch" in text and "torch.distributed.run" not in text, launcher
 

@@ -124,3 +124,32 @@ def test_a_queued_experiment_killed_twice_resumes_at_its_step_and_ends_as_if_nev
          *[f"paths.{key}={ref / name}" for key, name in paths.items()], f"mlflow.tracking_uri=sqlite:///{ref}/mlflow.db",
          f"mlflow.outbox={ref}/outbox"], cwd=clone, env=CLONE_ENV)
     assert same_weights(weights(clone / "models" / "model.pt"), weights(ref / "model.pt"))
+
+
+@pytest.mark.slow
+def test_two_queued_experiments_differing_only_in_their_sweep_are_two_runs_each_in_its_sweep(
+        repro_clone: Path) -> None:
+    """Two experiments, one after the other through DVC's queue, differing only in ``mlflow.sweep`` (outside the
+    trajectory): each is an MLflow run of its own, under its own sweep, with a checkpoint folder of its own; the second
+    never resumed the first's finished checkpoint and reopened its run."""
+    from mlflow import MlflowClient
+
+    clone = repro_clone
+    experiments = {"side-left": "left", "side-right": "right"}
+    for name, sweep in experiments.items():
+        run(["dvc", "exp", "run", "--queue", "-n", name, "-S", "seed=7", "-S", "num_epochs=1", "-S",
+             f"mlflow.sweep={sweep}"], cwd=clone, env=CLONE_ENV)
+    with open(clone.parent / "start.log", "w") as log:
+        started = subprocess.run(["dvc", "queue", "start", "-j", "1"], cwd=clone, env=subprocess_env(CLONE_ENV),
+                                 stdout=log, stderr=subprocess.STDOUT, timeout=300)
+    assert started.returncode == 0, (clone.parent / "start.log").read_text()
+    for name in experiments:
+        assert "Success" in _status(clone, name), name
+    client = MlflowClient(f"sqlite:///{clone}/mlflow.db")
+    runs = {r.info.run_name: r for r in client.search_runs([e.experiment_id for e in client.search_experiments()])}
+    assert set(experiments) <= set(runs), sorted(runs)
+    assert runs["side-left"].info.run_id != runs["side-right"].info.run_id
+    sweep = {name: client.get_run(runs[name].data.tags["mlflow.parentRunId"]).data.tags["ddpipe.sweep"]
+             for name in experiments}
+    assert sweep == experiments
+    assert len(list((clone / "checkpoints" / "queued").iterdir())) == 2

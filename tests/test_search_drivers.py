@@ -407,3 +407,58 @@ def test_a_database_trial_whose_driver_elsewhere_dies_is_run_again_after_its_hea
     assert any("waiting for trial(s) held by other drivers" in line for line in said), said
     assert any("trial(s) 1 had no driver any more" in line for line in said), said
     assert optuna.load_study(study_name="db", storage=plan.storage).best_trial.number != 1
+
+
+# A trial's training, faked: above a learning rate of 0.3 it diverges in epoch 1 (telling the study what the
+# training's hook, ddpipe.engine.pruning.after_divergence, tells it: tests/test_faults.py, and failing, as the worker
+# does); below, it reports one epoch's value, larger nearer lr 0.01
+DIVERGING_TRAINING = """
+import json, math, os, sys
+import optuna
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
+from ddpipe.core.environment import TRIAL_ENV
+spec = json.loads(os.environ[TRIAL_ENV])
+study = optuna.load_study(study_name=spec["study"], storage=JournalStorage(JournalFileBackend(spec["storage"])))
+trial = optuna.trial.Trial(study, spec["trial_id"])
+lr = trial.params["train.base_lr"]
+if lr > 0.3:
+    for key, value in (("pruned_epoch", 1), ("pruned_step", 3), ("diverged", f"training diverged at epoch 1, step 3")):
+        trial.set_user_attr(key, value)
+    sys.exit(1)
+trial.report(-abs(math.log10(lr) + 2.0), 1)
+"""
+
+
+def test_diverging_trials_teach_the_study_instead_of_ending_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A range whose top decade diverges (loguniform(1e-4, 3), above 0.3): each diverged trial is told PRUNED where it
+    diverged, saying so in ``status``; the study finishes its 30 trials (told FAIL, three in a row ended it), and TPE,
+    which learns from pruned trials, spends fewer of them on the diverging end than random search does. Both samplers
+    seeded from ``seed`` alone (not the driver's pid), so the comparison is the same on every run."""
+    from ddpipe.search import driver, study
+    from ddpipe.search.report import rows
+    from ddpipe.search.study import load_study
+
+    _fake_trials(monkeypatch, tmp_path)
+    seeded = study.sampler_seed
+    monkeypatch.setattr(study, "sampler_seed", lambda seed, drawn, mark: seeded(seed, drawn, None))
+    monkeypatch.setattr(driver, "command", lambda plan, trial: [sys.executable, "-c", DIVERGING_TRAINING])
+    diverged = {}
+    for sampler in ("tpe", "random"):
+        (tmp_path / sampler).mkdir()
+        plan = _plan(tmp_path / sampler, "search.space.train.base_lr=loguniform(1e-4, 3)", f"search.study={sampler}",
+                     f"search.sampler={sampler}", "search.trials=30", "search.pruner=none", "search.first=[]")
+        said: list[str] = []
+        driver.run(plan, tmp_path / sampler, say=said.append)
+        trials = load_study(plan).get_trials(deepcopy=False)
+        states = [t.state.name for t in trials]
+        assert len(trials) == 30 and set(states) <= {"COMPLETE", "PRUNED"}, (states, said)
+        high = [t for t in trials if t.params["train.base_lr"] > 0.3]
+        assert all(t.state.name == "PRUNED" and t.user_attrs["diverged"].startswith("training diverged") for t in high)
+        assert all(t.state.name == "COMPLETE" for t in trials if t not in high)
+        shown = [row[1] for row in rows(load_study(plan))[1:]]
+        assert shown.count("PRUNED at step 3 of epoch 1 (diverged)") == len(high), shown
+        assert any("pruned at step 3 of epoch 1 (its training diverged)" in line for line in said), said
+        diverged[sampler] = len(high)
+    print(f"trials of 30 above lr 0.3 (diverged): {diverged}")
+    assert diverged["tpe"] < diverged["random"], diverged

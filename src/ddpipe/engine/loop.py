@@ -29,6 +29,7 @@ from ddpipe.engine.meters import EpochMeter, EpochProgress, EpochStats, final_me
 from ddpipe.engine.optimizer import Diverged
 from ddpipe.engine.parts import TrainingParts, build_parts, wrap
 from ddpipe.engine.progress import make_progress
+from ddpipe.engine.pruning import after_divergence as search_trial_after_divergence
 from ddpipe.engine.pruning import after_stop as search_trial_after_stop
 from ddpipe.engine.pruning import after_validation as search_trial_after_validation
 from ddpipe.engine.pruning import validation_number
@@ -323,6 +324,7 @@ def train(run: Resolved) -> dict[str, float]:
             trainer.system.stop()
             trainer.tracker.end_after(exc)
         if isinstance(exc, Diverged):  # every rank stopped at this step: none leaves before rank 0 closed the run
+            search_trial_after_divergence(info, exc.epoch, exc.step, str(exc))  # a search learns from it
             dd.barrier(info)  # (torchrun stops the group once one rank has left)
         if isinstance(exc, Preempted):  # a search's trial runs again under its number, from this step
             search_trial_after_stop(info, str(exc))

@@ -196,6 +196,23 @@ def pruned_at(attrs: dict[str, Any]) -> str:
     return f"step {step} of epoch {epoch}" if step else f"epoch {epoch}"
 
 
+def after_divergence(info: DistInfo, epoch: int, step: int, why: str) -> None:
+    """A trial's training that diverged (a loss gone to inf or NaN at ``step`` of ``epoch``, from 1): rank 0 tells the
+    study it stopped there, as a pruner stops a trial (``pruned_epoch``, ``pruned_step``) and why (``diverged``), so
+    the driver tells Optuna PRUNED. Optuna's TPE learns from PRUNED trials and ranks each below every completed one
+    (the earlier it stopped, the worse): the diverging learning rates fall among those it proposes less. A FAIL it
+    ignores, and three in a row would end the search where it should learn where the cliff is."""
+    if not info.is_main or trial_spec() is None:
+        return
+    try:
+        trial = _this_trial(info)
+        for key, value in (("pruned_epoch", epoch), ("pruned_step", step), ("diverged", why[:500])):
+            trial.trial.set_user_attr(key, value)
+    except Exception as exc:  # the study's store is down: the driver sees a failed attempt instead
+        warnings.warn(f"search trial: could not tell the study it diverged ({type(exc).__name__}: {exc})",
+                      RuntimeWarning, stacklevel=2)
+
+
 def after_stop(info: DistInfo, where: str) -> None:
     """A trial's training stopped by a signal (SIGTERM, SIGUSR1, its launcher gone) after its step checkpoint: rank 0
     tells the study which attempt stopped, so that the driver runs it again under the same number, from that step."""

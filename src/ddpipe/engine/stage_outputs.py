@@ -17,7 +17,7 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ddpipe.config.keys import trajectory
+from ddpipe.config.keys import flatten
 from ddpipe.config.schema import Config
 from ddpipe.core.claims import Claim
 from ddpipe.core.environment import CLAIM_ENV
@@ -44,14 +44,16 @@ def anchored_checkpoints(cfg: Config) -> Config:
     ``--temp``) runs an experiment in a temporary copy, which DVC removes when the experiment ends, is killed
     (``dvc queue kill``) or its worker dies, with ``$DVC_ROOT`` naming the user's repository: a relative
     ``paths.checkpoints`` there would be lost with the copy, and the same experiment queued again would start from
-    epoch 1. Such a run's checkpoints go to ``<the repository>/<paths.checkpoints>/queued/<12 hex digits of its
-    trajectory keys>`` (:func:`ddpipe.config.keys.trajectory`): the same experiment queued again resumes there
-    from its step, and two experiments queued at once never share a directory. A training in the repository
+    epoch 1. Such a run's checkpoints go to ``<the repository>/<paths.checkpoints>/queued/<12 hex digits of all its
+    parameters>`` (:func:`ddpipe.config.keys.flatten`): the same experiment queued again resumes there from its step,
+    and two experiments that differ in any parameter, a trajectory key or not (``mlflow.sweep``,
+    ``train.model_epoch``), never share a directory, nor the MLflow run a resumed checkpoint reopens. A training in the
+    repository
     itself, or an absolute ``paths.checkpoints``: ``cfg`` as it is."""
     root, where = os.environ.get("DVC_ROOT"), Path(cfg.paths.checkpoints)
     if not root or where.is_absolute() or Path.cwd().resolve() == Path(root).resolve():
         return cfg
-    kept = Path(root).resolve() / where / QUEUED_CHECKPOINTS / fingerprint(trajectory(cfg))
+    kept = Path(root).resolve() / where / QUEUED_CHECKPOINTS / fingerprint(flatten(cfg))
     return replace(cfg, paths=replace(cfg.paths, checkpoints=str(kept)))
 
 

@@ -363,9 +363,8 @@ def stop(process: subprocess.Popen | on_cluster.ClusterTrial) -> None:
 
 
 def record(plan: Plan, study: Any, root: Path, done: Running, say: Any) -> str:
-    """Tell the study how ``done`` ended: COMPLETE with its best epoch's metric, PRUNED (the training said at which
-    epoch), or FAIL; or nothing when its training was stopped by a signal (STOPPED: it runs again under its number).
-    Returns the state's name; SKIPPED when another driver finished the trial first (:func:`tell`)."""
+    """How ``done`` ended, told to the study: COMPLETE (its best epoch's metric), PRUNED (where its training was pruned
+    or diverged), FAIL, or nothing if a signal stopped it (STOPPED: it runs again); SKIPPED: another driver told it."""
     from optuna.exceptions import UpdateFinishedTrialError
     from optuna.trial import TrialState
 
@@ -386,7 +385,8 @@ def record(plan: Plan, study: Any, root: Path, done: Running, say: Any) -> str:
         state = "PRUNED" if tell(study, done.trial, say, state=TrialState.PRUNED) else "SKIPPED"
         if state == "PRUNED":
             at = pruned_where(frozen.user_attrs["pruned_epoch"], frozen.user_attrs.get("pruned_step", 0))
-            say(f"trial {number}: pruned {at} (no DVC experiment)")
+            diverged = " (its training diverged)" if "diverged" in frozen.user_attrs else ""
+            say(f"trial {number}: pruned {at}{diverged} (no DVC experiment)")
     else:
         tail = done.log.read_text(errors="replace").strip().splitlines()[-1:] if done.log.exists() else []
         why = f"dvc exp run exited {code}: {tail[0][:300] if tail else ''}" if code else lost or \
