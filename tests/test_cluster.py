@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from ddpipe.core.environment import NODES_ENV
-from ddpipe.launch.cluster import kubernetes
+from ddpipe.launch.cluster import ClusterError, kubernetes
 from ddpipe.launch.cluster.queue import exp_ref
 from ddpipe.launch.torchrun import cluster_nodes
 from tests.conftest import (
@@ -116,13 +116,33 @@ def test_kubernetes_submission_is_an_indexed_job_per_experiment_valid_for_the_ap
     pod = two["spec"]["template"]["spec"]
     assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 4}
     assert pod["subdomain"] == two["metadata"]["name"]
-    # the image's own interpreter in the pods and in what they read, never this machine's
-    assert pod["containers"][0]["command"][0] == kubernetes.IMAGE_PYTHON
-    assert sys.executable not in "".join(f.read_text() for f in out.iterdir()), sorted(out.iterdir())
+    # the image's own interpreter, the repository's volume at /workspace and the group's manifest in a ConfigMap: no
+    # path of this machine in anything the pods get
+    assert pod["containers"][0]["command"][:4] == [kubernetes.IMAGE_PYTHON, "-m", "ddpipe.launch.cluster.job",
+                                                   "/etc/ddpipe/group.json"]
+    written = "".join(f.read_text() for f in out.iterdir())
+    assert sys.executable not in written and str(repo.resolve()) not in written and str(repo) not in written
+    (volume,) = [v for v in pod["volumes"] if "configMap" in v]
+    (config,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == volume["configMap"]["name"]]
+    read = json.loads(config["data"]["group.json"])
+    assert read["repo"] == "/workspace" and read["python"] == kubernetes.IMAGE_PYTHON
+    assert [x["name"] for x in read["experiments"]] == ["two"]
+    assert all(x["workspace"].startswith("/workspace/.dvc/tmp/cluster/") for x in read["experiments"])
     assert kubernetes.rendezvous(two["metadata"]["name"]).startswith(two["metadata"]["name"] + "-0.")
     assert {"action": "Ignore", "onExitCodes": {"containerName": "ddpipe", "operator": "In", "values": [75]}} in \
         two["spec"]["podFailurePolicy"]["rules"]
     assert queued_names(repo) == ["one", "two"]  # a dry run submits nothing
+
+
+def test_the_pods_manifest_refuses_a_path_their_volume_does_not_hold(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    m = {"repo": str(repo), "state": str(repo / ".dvc" / "tmp" / "cluster"), "python": sys.executable,
+         "cache": str(tmp_path / "elsewhere" / "cache"), "experiments": []}
+    with pytest.raises(ClusterError, match=r"the DVC cache \(dvc cache dir\) = .*elsewhere/cache is outside the "
+                                           r"repository .*: on Kubernetes the pods see the repository's volume only"):
+        kubernetes.in_pods(m, repo)
+    m["cache"] = str(repo / ".dvc" / "cache")
+    assert kubernetes.in_pods(m, repo)["cache"] == "/workspace/.dvc/cache"
 
 
 # -- on the throwaway SLURM cluster ------------------------------------------------------------

@@ -2,8 +2,9 @@
 as deploy/k8s/indexed-job.yaml does for one training. Pod 0 runs the experiment's driver (``dvc exp run`` in its
 workspace); the other pods wait for that workspace and run one launcher each, joining pod 0's rendezvous. Every pod
 runs the training image (``cluster.image``, the Containerfile's) with its own interpreter (:data:`IMAGE_PYTHON`), never
-the submitting machine's; the repository and its DVC cache are on a PersistentVolumeClaim (``cluster.volume_claim``)
-mounted at the same path as here, so the manifests name the same files as the submitting machine.
+the submitting machine's. The repository, at the root of a PersistentVolumeClaim (``cluster.volume_claim``), is mounted
+at :data:`POD_REPO`, and what a job reads (the group's manifest, every path in it rebased there: :func:`in_pods`)
+comes in a ConfigMap of the same YAML: the manifests name no path of the submitting machine.
 
 Written and validated offline (the tests check them against the Kubernetes API's schemas); not run on a cluster
 here. ``submit --dry-run DIR`` writes them without kubectl.
@@ -29,6 +30,8 @@ PORT = RDZV_PORT
 WARN_SECONDS = 180  # no time-limit warning here; a SIGUSR1 sent by hand gets what SLURM's gets
 # The training image's interpreter: the Containerfile's venv (UV_PROJECT_ENVIRONMENT), holding the lock's packages
 IMAGE_PYTHON = "/opt/ddpipe/venv/bin/python"
+POD_REPO = "/workspace"  # where the pods mount the volume that holds the repository at its root
+POD_CONFIG = "/etc/ddpipe"  # where the pods mount the group's ConfigMap: its manifest, group.json
 GRACE_SECONDS = 120  # SIGTERM then SIGKILL: the step in progress plus a checkpoint (deploy/k8s/indexed-job.yaml)
 
 
@@ -46,8 +49,42 @@ def rendezvous(job: str) -> str:
     return f"{job}-0.{job}:{PORT}"
 
 
-def manifests(cfg: Config, job: str, submission: str, name: str, manifest: Path, index: int, repo: Path) -> list[dict]:
-    """The Service and the Indexed Job of experiment ``name`` (``index`` in ``manifest``)."""
+def in_pods(m: dict, repo: Path) -> dict:
+    """A group's manifest as its pods read it: every path of the repository's (its state, its DVC cache, the
+    experiments' workspaces and logs) rebased to :data:`POD_REPO`, the interpreter the image's. A path the volume does
+    not hold (a DVC cache or ``cluster.workdir`` outside the repository) is refused, naming it; a workspace on the
+    node's own disk (``storage: remote``, /tmp/ddpipe-cluster) stays as it is."""
+    root = Path(repo).resolve()
+
+    def rebased(path: str, what: str, local_ok: bool = False) -> str:
+        p = Path(path).resolve()
+        if p == root or root in p.parents:
+            return str(Path(POD_REPO) / p.relative_to(root))
+        if local_ok:
+            return path
+        raise ClusterError(f"{what} = {path} is outside the repository {root}: on Kubernetes the pods see the "
+                           f"repository's volume only (mounted at {POD_REPO}); keep it inside the repository")
+
+    def store(uri: str) -> str:  # a sqlite store in the repository (the default): the pods' path to the same file
+        return "sqlite:///" + rebased(uri.removeprefix("sqlite:///"), "mlflow.tracking_uri", True) \
+            if uri.startswith("sqlite:///") else uri
+
+    remote = lambda e: e["storage"] == "remote"  # noqa: E731
+    return {**m, "repo": POD_REPO, "python": IMAGE_PYTHON, "state": rebased(m["state"], "the cluster state"),
+            "cache": rebased(m["cache"], "the DVC cache (dvc cache dir)"),
+            "experiments": [{**e, "workspace": rebased(e["workspace"], "cluster.workdir", remote(e)),
+                             "log": rebased(e["log"], "the job's log", remote(e)),
+                             "tracking_uri": store(e["tracking_uri"])} for e in m["experiments"]]}
+
+
+def config_map(name: str, namespace: str, manifest: dict) -> dict:
+    """The ConfigMap that brings a group's manifest (:func:`in_pods`) to its pods, as ``group.json``."""
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": namespace},
+            "data": {"group.json": json.dumps(manifest, indent=1)}}
+
+
+def manifests(cfg: Config, job: str, submission: str, name: str, config: str, index: int) -> list[dict]:
+    """The Service and the Indexed Job of experiment ``name`` (``index`` in the manifest of ConfigMap ``config``)."""
     c, nodes = cfg.cluster, int(cfg.distributed.nnodes)
     labels = {"app.kubernetes.io/name": "ddpipe", "ddpipe.cluster/submission": submission}
     resources: dict = {}
@@ -58,11 +95,12 @@ def manifests(cfg: Config, job: str, submission: str, name: str, manifest: Path,
     if c.gpus_per_node:
         resources["limits"] = {"nvidia.com/gpu": c.gpus_per_node}
     container = {
-        "name": "ddpipe", "image": c.image, "workingDir": str(repo),
-        "command": [IMAGE_PYTHON, "-m", "ddpipe.launch.cluster.job", str(manifest), str(index)],
+        "name": "ddpipe", "image": c.image, "workingDir": POD_REPO,
+        "command": [IMAGE_PYTHON, "-m", "ddpipe.launch.cluster.job", f"{POD_CONFIG}/group.json", str(index)],
         "env": [{"name": K8S_JOB_ENV, "value": job}],
         "ports": [{"name": "rdzv", "containerPort": PORT}],
-        "volumeMounts": [{"name": "workspace", "mountPath": str(repo)}],
+        "volumeMounts": [{"name": "workspace", "mountPath": POD_REPO},
+                         {"name": "manifest", "mountPath": POD_CONFIG, "readOnly": True}],
     }
     if resources:
         container["resources"] = resources
@@ -85,8 +123,8 @@ def manifests(cfg: Config, job: str, submission: str, name: str, manifest: Path,
                 "metadata": {"labels": labels},
                 "spec": {"subdomain": job, "restartPolicy": "Never", "terminationGracePeriodSeconds": GRACE_SECONDS,
                          "containers": [container],
-                         "volumes": [{"name": "workspace",
-                                      "persistentVolumeClaim": {"claimName": c.volume_claim}}]},
+                         "volumes": [{"name": "workspace", "persistentVolumeClaim": {"claimName": c.volume_claim}},
+                                     {"name": "manifest", "configMap": {"name": config}}]},
             },
         },
     }

@@ -130,19 +130,19 @@ def submit(repo: Path, overrides: list[str], dry_run: Path | None,
     for g, ((sched, _, res), members) in enumerate(groups.items()):
         manifest = out / f"group-{g}.json"
         m = {**base, "scheduler": sched, "experiments": [entry(repo, root, e, submission) for e in members]}
-        if sched == "kubernetes":  # the pods run the image's interpreter, not this machine's
-            m["python"] = kubernetes.IMAGE_PYTHON
         if sched == "slurm":
             path = out / f"group-{g}.sbatch"
             path.write_text(slurm.script(res, len(members), submission, sys.executable, manifest, root / "logs"))
         else:
-            path = out / f"group-{g}.yaml"
+            path, config = out / f"group-{g}.yaml", kubernetes.job_name(submission, g * 1000 + 999) + "-manifest"
             docs = []
             for i, (e, x) in enumerate(zip(members, m["experiments"])):
                 x["job"] = kubernetes.job_name(submission, g * 1000 + i)
-                docs += kubernetes.manifests(e.cfg, x["job"], submission, e.name, manifest, i, repo)
+                docs += kubernetes.manifests(e.cfg, x["job"], submission, e.name, config, i)
+            pods = kubernetes.in_pods(m, repo)  # what the pods read: no path of this machine
+            docs.insert(0, kubernetes.config_map(config, members[0].cfg.cluster.namespace, pods))
             path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
-        manifest.write_text(json.dumps(m, indent=1))
+        manifest.write_text(json.dumps(pods if sched == "kubernetes" else m, indent=1))
         plans.append((sched, path, members, m))
     if dry_run:
         print(f"wrote the job scripts and manifests of {len(exps)} experiment(s) to {dry_run}; nothing was submitted "
