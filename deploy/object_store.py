@@ -62,7 +62,10 @@ def state(directory: Path) -> dict:
 
 
 def _port_free(port: int) -> bool:
+    """Nothing listens on ``port`` (connections of a stopped server still in TIME_WAIT do not count: the server binds
+    with SO_REUSEADDR, as Go's servers do)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

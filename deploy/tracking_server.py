@@ -21,8 +21,11 @@
   with scram-sha-256; the mlflow role connects from this host only;
 - ``mlflow server --app-name basic-auth``: every request needs a user and password (401 without), an unknown
   experiment is readable by every user and writable by those given EDIT (``default_permission = READ``), and
-  artifacts go through the server to ``--artifacts-destination`` (default ``<dir>/artifacts``; an object store
-  URI works too), so clients never hold the store's credentials or mount;
+  artifacts go through the server to ``--artifacts-destination`` (default ``<dir>/artifacts``), so clients never
+  hold the store's credentials or mount. An object store's URL (``s3://ddpipe/mlflow``: the team's bucket, beside the
+  DVC remote's ``s3://ddpipe/dvc``) is checked before the server starts (it answers, takes the keys, holds the
+  bucket: else an error naming it), its endpoint and keys from the environment or else from the DVC remote on the
+  same bucket in this repository (``make remote`` wrote them), handed to the server in its environment only;
 - the admin user, created by MLflow on the first start from ``MLFLOW_AUTH_ADMIN_PASSWORD`` (or the file).
 
 The store's password reaches ``mlflow server`` in its environment (``MLFLOW_BACKEND_STORE_URI``) and the auth
@@ -34,6 +37,7 @@ means: ``MLFLOW_TRACKING_USERNAME``/``MLFLOW_TRACKING_PASSWORD`` or ``~/.mlflow/
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import ipaddress
 import os
 import secrets
@@ -47,6 +51,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ddpipe.core.objectstore import Store, StoreError, check, is_store_url
 from ddpipe.core.processes import alive
 from ddpipe.tracking.run_store import redact
 
@@ -293,6 +298,22 @@ def server_command(args: argparse.Namespace, artifacts: str) -> list[str]:
             "--allowed-hosts", args.allowed_hosts or "*"]
 
 
+def artifact_store_env(artifacts: str) -> dict[str, str]:
+    """The server's environment for an object store's ``--artifacts-destination`` (nothing for a directory), once
+    the store answered, took its keys and showed its bucket; a ServerError naming what is wrong, before anything
+    starts."""
+    if not is_store_url(artifacts):
+        return {}
+    if importlib.util.find_spec("boto3") is None:  # MLflow's S3 artifact repository: else a 500 on each upload
+        raise ServerError(f"--artifacts-destination {artifacts}: boto3 is not installed in {sys.prefix} (make setup)")
+    store = Store.for_url(artifacts, (Path.cwd(),))
+    try:
+        check(store, artifacts, "--artifacts-destination")
+    except StoreError as exc:
+        raise ServerError(str(exc)) from None
+    return store.environment()
+
+
 def health(url: str, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
@@ -310,14 +331,15 @@ def start(args: argparse.Namespace) -> None:
     if pid_file.is_file() and alive(int(pid_file.read_text())):
         raise ServerError(f"a tracking server from {directory} is already running (pid {pid_file.read_text().strip()}, "
                           f"{url}); stop it first: python deploy/tracking_server.py stop --dir {directory}")
+    artifacts = args.artifacts_destination or str(directory / "artifacts")
+    store_env = artifact_store_env(artifacts)  # an object store that is wrong: said before anything starts
     if args.backend_store_uri:
         backend, auth_db = args.backend_store_uri, args.auth_database_uri or f"sqlite:///{directory / 'auth.db'}"
     else:
         prefix = start_postgres(directory, args.pg_port, args.pg_listen, args.pg_clients)
         print(search_storage(directory, args.pg_port, args.pg_listen), flush=True)
         backend, auth_db = f"{prefix}/mlflow", args.auth_database_uri or f"{prefix}/mlflow_auth"
-    artifacts = args.artifacts_destination or str(directory / "artifacts")
-    env = {**os.environ, "MLFLOW_BACKEND_STORE_URI": backend, "MLFLOW_AUTH_ADMIN_PASSWORD": password,
+    env = {**os.environ, **store_env, "MLFLOW_BACKEND_STORE_URI": backend, "MLFLOW_AUTH_ADMIN_PASSWORD": password,
            # the auth app's CSRF key: one per server directory, kept across restarts (sessions survive them)
            "MLFLOW_FLASK_SERVER_SECRET_KEY": _secret(directory, "flask-secret-key"),
            "MLFLOW_AUTH_CONFIG_PATH": str(write_auth_config(directory, auth_db, args.admin_username))}

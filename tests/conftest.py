@@ -595,3 +595,27 @@ def spawn(fn, world_size: int, *args) -> None:
 
     with tempfile.TemporaryDirectory(prefix="ddpipe-spawn-") as tmp:
         mp.spawn(_spawn_entry, args=(world_size, os.path.join(tmp, "store"), fn, args), nprocs=world_size, join=True)
+
+
+def start_object_store(directory: Path) -> Path:
+    """A local object store (SeaweedFS, as ``make remote`` starts it) of its own in ``directory``, on free ports (5 of
+    them, and those 10000 above)."""
+    from deploy.object_store import OFFSETS, _port_free, start
+
+    for _ in range(50):
+        port = free_port()
+        if port < 55000 and all(_port_free(p) and _port_free(p + 10000) for p in range(port, port + len(OFFSETS) + 1)):
+            break
+    start(directory, port, "ddpipe")
+    return directory
+
+
+def object_store_env(directory: Path, port: int | None = None) -> dict[str, str]:
+    """The environment a training reads its store from: the endpoint (that of ``port`` if given: a proxy) and keys."""
+    from deploy.object_store import credentials, state
+
+    keys, endpoint = credentials(directory), state(directory)["endpoint"]
+    if port is not None:
+        endpoint = f"http://127.0.0.1:{port}"
+    return {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": keys["access_key_id"],
+            "AWS_SECRET_ACCESS_KEY": keys["secret_access_key"]}

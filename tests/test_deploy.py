@@ -5,6 +5,7 @@ test_slurm.py."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -68,18 +69,43 @@ def _check_fields(value: object, model: type, where: str) -> None:
         _check_value(item, fields[key].annotation, f"{where}.{key}")
 
 
-def test_k8s_trainjob_has_only_fields_of_the_kubeflow_trainer_api_and_runs_the_image() -> None:
+def _launch(command: list[str]) -> list[str]:
+    """What a container runs: its command, or the command a ``/bin/sh -ec`` script ``exec``s after its set-up."""
+    if command[:2] == ["/bin/sh", "-ec"]:
+        return command[2].split("exec ", 1)[1].split()
+    return command
+
+
+@pytest.mark.parametrize("name", ["trainjob.yaml", "trainjob-object-store.yaml"])
+def test_k8s_trainjob_has_only_fields_of_the_kubeflow_trainer_api_and_runs_the_image(name: str) -> None:
     """kubernetes-validate has no schema for Kubeflow Trainer's TrainJob: it is validated by the Trainer API's models
     (required fields, types) and its keys checked against them; it runs the image's own interpreter, never a path of
     the host that wrote it."""
     from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
 
-    (job,) = _docs("trainjob.yaml")
+    (job,) = _docs(name)
     assert (job["apiVersion"], job["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
     assert job["spec"]["runtimeRef"]["name"] == "torch-distributed"
     TrainerV1alpha1TrainJob.from_dict(job)
     _check_fields(job, TrainerV1alpha1TrainJob, "TrainJob")
-    assert job["spec"]["trainer"]["command"][0] == IMAGE_PYTHON and str(ROOT) not in yaml.safe_dump(job)
+    assert _launch(job["spec"]["trainer"]["command"])[0] == IMAGE_PYTHON and str(ROOT) not in yaml.safe_dump(job)
+
+
+def test_the_no_shared_disk_trainjob_pulls_then_checkpoints_to_the_store_and_mounts_no_volume() -> None:
+    """Each pod: DVC without git (the image has no .git), the prepared data pulled from the repository's default remote,
+    then the launcher with its checkpoints in the bucket of that remote; the store's keys from a secret; no volume but
+    /dev/shm."""
+    (job,) = _docs("trainjob-object-store.yaml")
+    script = job["spec"]["trainer"]["command"][2]
+    assert script.index("core.no_scm true") < script.index("dvc pull prepare") < script.index("exec ")
+    remote = re.search(r"url = (\S+)", (ROOT / ".dvc" / "config").read_text())[1]
+    (checkpoints,) = [a for a in _launch(job["spec"]["trainer"]["command"]) if a.startswith("paths.checkpoints=")]
+    assert checkpoints.split("=", 1)[1].split("/")[2] == remote.split("/")[2]  # the same bucket
+    assert {e["name"] for e in job["spec"]["trainer"]["env"] if "valueFrom" in e and "secretKeyRef" in e["valueFrom"]} \
+        == {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    (node,) = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    volumes = node["template"]["spec"]["template"]["spec"]["volumes"]
+    assert [v["name"] for v in volumes] == ["dshm"] and "persistentVolumeClaim" not in yaml.safe_dump(job)
 
 
 def test_the_manifests_run_the_interpreter_the_containerfile_makes() -> None:
@@ -92,14 +118,16 @@ def test_k8s_stop_settings_match_the_preemption_code() -> None:
     container runs ddpipe.launch (PID 1 is the only process the kubelet signals)."""
     shutdown = load_config(params_file=PARAMS).distributed.shutdown_timeout_s
     (_, job) = _docs("indexed-job.yaml")
-    (train_job,) = _docs("trainjob.yaml")
-    (node,) = train_job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
-    pods = [job["spec"]["template"]["spec"], node["template"]["spec"]["template"]["spec"]]
+    train_jobs = [_docs(name)[0] for name in ("trainjob.yaml", "trainjob-object-store.yaml")]
+    nodes = [t["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+             for t in train_jobs]
+    pods = [job["spec"]["template"]["spec"], *(node["template"]["spec"]["template"]["spec"] for node in nodes)]
     for pod in pods:
         assert pod["terminationGracePeriodSeconds"] >= shutdown + GRACE_MARGIN_S
-    commands = (job["spec"]["template"]["spec"]["containers"][0]["command"], train_job["spec"]["trainer"]["command"])
+    commands = (job["spec"]["template"]["spec"]["containers"][0]["command"],
+                *(t["spec"]["trainer"]["command"] for t in train_jobs))
     for command in commands:
-        assert command[:3] == [IMAGE_PYTHON, "-m", "ddpipe.launch"]  # the image's interpreter (Containerfile)
+        assert _launch(command)[:3] == [IMAGE_PYTHON, "-m", "ddpipe.launch"]  # the image's interpreter (Containerfile)
     rules = job["spec"]["podFailurePolicy"]["rules"]
     assert {"action": "Ignore", "onExitCodes": {"containerName": "ddpipe", "operator": "In",
                                                 "values": [EXIT_PREEMPTED]}} in rules
@@ -107,12 +135,25 @@ def test_k8s_stop_settings_match_the_preemption_code() -> None:
     assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"  # what podFailurePolicy requires
 
 
-def test_slurm_script_requeues_on_the_preemption_exit_code_and_warns_ahead_of_the_limit() -> None:
-    script = (ROOT / "deploy" / "slurm" / "train.sbatch").read_text()
+@pytest.mark.parametrize("name", ["train.sbatch", "train-object-store.sbatch"])
+def test_slurm_script_requeues_on_the_preemption_exit_code_and_warns_ahead_of_the_limit(name: str) -> None:
+    script = (ROOT / "deploy" / "slurm" / name).read_text()
     warn = re.search(r"^#SBATCH --signal=USR1@(\d+)", script, re.M)
     assert warn and int(warn[1]) >= load_config(params_file=PARAMS).distributed.shutdown_timeout_s + GRACE_MARGIN_S
     assert re.search(r"^#SBATCH --requeue\b", script, re.M)
     assert f'if [ "$status" -eq {EXIT_PREEMPTED} ]; then' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+
+
+def test_the_no_shared_disk_slurm_script_pulls_on_every_node_then_checkpoints_to_the_store() -> None:
+    """Each node's own clone at the commit, the locked environment, `dvc pull prepare`, then the launcher run there
+    with its checkpoints where CHECKPOINTS says; it refuses to start without them; valid bash."""
+    script = (ROOT / "deploy" / "slurm" / "train-object-store.sbatch").read_text()
+    for name in ("GIT_URL", "GIT_COMMIT", "CHECKPOINTS"):
+        assert f': "${{{name}:?' in script
+    assert script.index("make -s venv-runtime") < script.index("dvc pull prepare") < script.index("ddpipe.launch \\")
+    assert 'paths.checkpoints="$CHECKPOINTS"' in script and '--chdir="$NODE_DIR"' in script
+    assert "SLURM_SUBMIT_DIR" not in script  # nothing of the submitting host's disk
+    subprocess.run(["bash", "-n", str(ROOT / "deploy" / "slurm" / "train-object-store.sbatch")], check=True)
 
 
 def test_the_tracking_server_finds_any_postgresql_version_and_runs_a_data_directory_with_its_own(

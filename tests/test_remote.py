@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CLONE_ENV, GIT_ENV, ROOT, free_port, run
+from tests.conftest import CLONE_ENV, GIT_ENV, ROOT, run, start_object_store
 
 pytestmark = pytest.mark.slow
 
@@ -18,24 +18,9 @@ SCRIPT = str(ROOT / "deploy" / "object_store.py")
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory):
-    """A local object store of its own (its ports free: 5 of them, and those 10000 above)."""
-    from deploy.object_store import OFFSETS
-
-    for _ in range(50):
-        port = free_port()
-        ports = [port + i for i in range(len(OFFSETS) + 1)]
-        if port < 55000 and all(_free(p) and _free(p + 10000) for p in ports):
-            break
-    directory = tmp_path_factory.mktemp("store")
-    run(["python", SCRIPT, "start", "--dir", str(directory), "--port", str(port)])
+    directory = start_object_store(tmp_path_factory.mktemp("store"))
     yield directory
     run(["python", SCRIPT, "stop", "--dir", str(directory)])
-
-
-def _free(port: int) -> bool:
-    from deploy.object_store import _port_free
-
-    return _port_free(port)
 
 
 def _remote(repo: Path, store: Path) -> None:

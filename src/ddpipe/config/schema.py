@@ -333,7 +333,8 @@ class PathsConfig:
                           "shards with an index, plus meta.json.")
     checkpoints: str = param(
         "checkpoints", "Training checkpoints (git-ignored, not a DVC output: DVC never deletes them); a run "
-        "resumes from the newest of its own (the same trajectory keys, global batch and prepared data).")
+        "resumes from the newest of its own (the same trajectory keys, global batch and prepared data). A directory, "
+        "or a prefix in object storage, s3://BUCKET/PREFIX (several nodes with no shared disk).")
     model: str = param("models/model.pt", "Final weights plus what rebuilds the model.")
     run_info: str = param("models/run.json", "The MLflow run id the evaluate stage logs to.")
     train_metrics: str = param("metrics/train.json", "Training metrics (DVC metrics); running: true until it ends.")

@@ -7,11 +7,16 @@ checkpoints; another experiment's files stay untouched and can be resumed when i
 Loading uses ``torch.load(weights_only=True)`` only: a file carrying a pickle payload is refused
 and its code never runs. A checkpoint records its format (``format_version``, :data:`CHECKPOINT_FORMAT`),
 read before anything else in it; :func:`upgraded` brings older formats to today's, in one place.
+
+``paths.checkpoints`` is a directory of this host or a prefix in an object store (``s3://BUCKET/PREFIX``, the store
+found as ddpipe.core.objectstore finds it): either way a checkpoint is written whole or not at all, a reader sees the
+newest whole one, and a store that fails is retried, then named; a multi-node job needs no shared disk for them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import random
 import re
@@ -24,12 +29,13 @@ import numpy as np
 import torch
 
 from ddpipe.core.errors import one_line
-from ddpipe.core.files import atomic_save
+from ddpipe.core.objectstore import DiskFolder, Folder, StoreError, StoreFolder, check, folder
 from ddpipe.core.ranks import DistInfo
 from ddpipe.data.transforms import IMAGENET_CROP_RATIO
 from ddpipe.distributed.group import barrier, broadcast_object, print0
 from ddpipe.engine.meters import EpochProgress
 from ddpipe.engine.selection import RAW
+from ddpipe.tracking.run_store import repo_root
 
 _NAME = re.compile(r"^ckpt-(?P<fp>[0-9a-f]{12})-e(?P<epoch>\d{4,})-s(?P<step>\d{6,})\.pt$")
 # The format of what a checkpoint holds, written into it as ``format_version``. 0: written before format versions
@@ -80,57 +86,90 @@ def run_fingerprint(trajectory: dict[str, Any], global_batch_size: int, effectiv
     return fingerprint({**keys, "global_batch_size": global_batch_size, "effective_lr": effective_lr, "data": data})
 
 
+def checkpoint_name(fp: str, pos: Position) -> str:
+    return f"ckpt-{fp}-e{pos.epoch:04d}-s{pos.step:06d}.pt"
+
+
 def checkpoint_path(directory: Path, fp: str, pos: Position) -> Path:
-    return Path(directory) / f"ckpt-{fp}-e{pos.epoch:04d}-s{pos.step:06d}.pt"
+    return Path(directory) / checkpoint_name(fp, pos)
 
 
-def list_checkpoints(directory: Path, fp: str | None = None) -> list[tuple[Position, Path]]:
-    """Checkpoints in ``directory`` (of fingerprint ``fp`` if given), oldest first."""
+Where = str | Path | DiskFolder | StoreFolder
+
+
+def checkpoint_folder(where: Where) -> Folder:
+    """The folder of ``paths.checkpoints``: a directory, or a store's prefix whose store is the environment's or the
+    DVC remote's on the same bucket (this repository's, the user's under DVC's copy of it)."""
+    if isinstance(where, (DiskFolder, StoreFolder)):
+        return where
+    return folder(where, roots=(Path.cwd(), repo_root()))
+
+
+def check_checkpoint_place(where: str) -> None:
+    """Before any work starts: a store's ``paths.checkpoints`` answers, takes its keys and holds its bucket, else a
+    StoreError naming the setting, the URL and the endpoint (one request, no retries). A directory: nothing to ask."""
+    place = checkpoint_folder(where)
+    if isinstance(place, StoreFolder):
+        check(place.store, place.where, "paths.checkpoints")
+
+
+def _checkpoints(place: Folder, fp: str | None) -> list[tuple[Position, str]]:
     found = []
-    for path in Path(directory).glob("ckpt-*.pt"):
-        m = _NAME.match(path.name)
+    for name in place.names():
+        m = _NAME.match(name)
         if m and (fp is None or m["fp"] == fp):
-            found.append((Position(int(m["epoch"]), int(m["step"])), path))
+            found.append((Position(int(m["epoch"]), int(m["step"])), name))
     return sorted(found, key=lambda t: (t[0].epoch, t[0].step))
 
 
-def save_checkpoint(directory: Path, fp: str, pos: Position, state: dict[str, Any], keep: int) -> Path:
-    """Write ``state`` atomically (temp file, fsync, os.replace), then keep the ``keep`` newest of
-    this fingerprint. Call on global rank 0 only; the caller then meets the other ranks at a barrier."""
-    path = checkpoint_path(directory, fp, pos)
+def list_checkpoints(directory: Path, fp: str | None = None) -> list[tuple[Position, Path]]:
+    """Checkpoints in the directory ``directory`` (of fingerprint ``fp`` if given), oldest first."""
+    return [(pos, Path(directory) / name) for pos, name in _checkpoints(DiskFolder(directory), fp)]
+
+
+def save_checkpoint(where: Where, fp: str, pos: Position, state: dict[str, Any], keep: int) -> str | Path:
+    """Write ``state`` whole or not at all (a directory's: temp file, fsync, os.replace; a store's: one object, shown
+    only once complete), then keep the ``keep`` newest of this fingerprint; its path or URL. Call on global rank 0
+    only; the caller then meets the other ranks at a barrier."""
+    place = checkpoint_folder(where)
     payload = {**state, "position": torch.tensor([pos.epoch, pos.step]), "fingerprint": fp,
                "format_version": CHECKPOINT_FORMAT}
-    atomic_save(path, lambda f: torch.save(payload, f))
-    for _, old in list_checkpoints(directory, fp)[:-keep]:
-        old.unlink(missing_ok=True)
-    return path
+    written = place.write(checkpoint_name(fp, pos), lambda f: torch.save(payload, f))
+    for _, old in _checkpoints(place, fp)[:-keep]:
+        place.remove(old)
+    return written
 
 
-def load_latest(directory: Path, fp: str) -> tuple[Position, dict[str, Any]] | None:
+def load_latest(where: Where, fp: str) -> tuple[Position, dict[str, Any]] | None:
     """The newest checkpoint of this fingerprint that loads, falling back past corrupt ones.
 
     None if this run has no checkpoint (a fresh start). CheckpointError if it has some but none
-    loads: a silent fresh start would throw away the user's progress.
+    loads: a silent fresh start would throw away the user's progress. A store that does not answer is a StoreError
+    (after its retries), never taken for a corrupt checkpoint.
     """
-    candidates = list_checkpoints(directory, fp)
+    place = checkpoint_folder(where)
+    candidates = _checkpoints(place, fp)
     failures = []
-    for pos, path in reversed(candidates):
+    for pos, name in reversed(candidates):
+        path = f"{place.where}/{name}"
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(io.BytesIO(place.read(name)), map_location="cpu", weights_only=True)
+        except StoreError:
+            raise
         except Exception as exc:  # truncated zip, bad pickle, refused global: all unusable
-            failures.append(f"{path.name}: {one_line(exc, 200)}")
+            failures.append(f"{name}: {one_line(exc, 200)}")
             print(f"warning: checkpoint {path} cannot be loaded ({failures[-1]}); trying an older one",
                   file=sys.stderr, flush=True)
             continue
         # its format first: a newer ddpipe's checkpoint stops the resume, never skipped for an older one
-        version = check_format(state, path) if isinstance(state, dict) else None
+        version = check_format(state, Path(path)) if isinstance(state, dict) else None
         if version is None or state.get("fingerprint") != fp:
-            failures.append(f"{path.name}: not a ddpipe checkpoint of this run")
+            failures.append(f"{name}: not a ddpipe checkpoint of this run")
             continue
         return pos, upgraded(state, version)
     if failures:
         raise CheckpointError(
-            f"{directory}: none of this run's {len(candidates)} checkpoint(s) can be loaded "
+            f"{place.where}: none of this run's {len(candidates)} checkpoint(s) can be loaded "
             f"({'; '.join(failures)}). Move them away to start fresh, or restore a good copy."
         )
     return None
@@ -165,9 +204,9 @@ def upgraded(state: dict[str, Any], version: int) -> dict[str, Any]:
     return state
 
 
-def other_runs(directory: Path, fp: str) -> list[Path]:
-    """Checkpoints of other configurations (reported when a run starts fresh beside them)."""
-    return [p for _, p in list_checkpoints(directory) if f"-{fp}-" not in p.name]
+def other_runs(where: Where, fp: str) -> list[str]:
+    """Checkpoints of other configurations (reported when a run starts fresh beside them), by name."""
+    return [name for _, name in _checkpoints(checkpoint_folder(where), None) if f"-{fp}-" not in name]
 
 
 class Stateful(Protocol):
@@ -176,17 +215,24 @@ class Stateful(Protocol):
 
 
 class Checkpointer:
-    """One run's checkpoints in ``directory``: rank 0 reads and writes them; every rank gets what rank 0
-    read, and waits at a barrier until what it writes is on disk."""
+    """One run's checkpoints in ``directory`` (a directory or a store's prefix): rank 0 reads and writes them; every
+    rank gets what rank 0 read, and waits at a barrier until what it writes is whole where it goes."""
 
     def __init__(self, directory: str | Path, fp: str, keep: int, info: DistInfo) -> None:
-        self.directory, self.fp, self.keep, self.info = Path(directory), fp, keep, info
+        self.directory, self.fp, self.keep, self.info = str(directory), fp, keep, info
+        self._folder: Folder | None = None
+
+    @property
+    def folder(self) -> Folder:
+        if self._folder is None:
+            self._folder = checkpoint_folder(self.directory)
+        return self._folder
 
     def save(self, pos: Position, parts: dict[str, Stateful], **values: Any) -> None:
         """The checkpoint of ``pos``: each part's ``state_dict()``, the RNG states, and ``values``."""
         if self.info.is_main:
             state = {name: part.state_dict() for name, part in parts.items()}
-            save_checkpoint(self.directory, self.fp, pos, {**state, "rng": rng_state(), **values}, self.keep)
+            save_checkpoint(self.folder, self.fp, pos, {**state, "rng": rng_state(), **values}, self.keep)
         barrier(self.info)
 
     def restore(self, parts: dict[str, Stateful]) -> tuple[Position, dict[str, Any]] | None:
@@ -194,9 +240,9 @@ class Checkpointer:
         its position and the whole state (for the ``values`` saved with it), or None for a fresh start."""
         found = None
         if self.info.is_main:
-            found = load_latest(self.directory, self.fp)
+            found = load_latest(self.folder, self.fp)
             if found is None:
-                others = other_runs(self.directory, self.fp)
+                others = other_runs(self.folder, self.fp)
                 why = f"{len(others)} checkpoint(s) there belong to other configurations" if others else \
                     "no checkpoint yet"
                 print0(f"starting fresh ({self.directory}: {why})")

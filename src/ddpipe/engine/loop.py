@@ -12,7 +12,6 @@ import os
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +33,7 @@ from ddpipe.engine.pruning import after_stop as search_trial_after_stop
 from ddpipe.engine.pruning import after_validation as search_trial_after_validation
 from ddpipe.engine.pruning import validation_number
 from ddpipe.engine.resolved import Resolved
-from ddpipe.engine.stage_outputs import TrainingOutputs, hold_training, save_outputs, write_progress
+from ddpipe.engine.stage_outputs import TrainingOutputs, hold_training, run_markers, save_outputs, write_progress
 from ddpipe.tracking.system_metrics import NoSystemMetrics, monitor_node
 
 
@@ -164,7 +163,7 @@ class Trainer:
         into it), and print the training's one-line description."""
         derived = derived_params(self)
         run_id = self.tracker.start(self.cfg, {**self.run.params(), **derived}, resume_run_id,
-                                    Path(self.cfg.paths.checkpoints), self.run.model_name)
+                                    run_markers(self.cfg), self.run.model_name)
         run_id = dd.broadcast_object(run_id, self.info)
         self.system = monitor_node(self.cfg.mlflow, self.info, run_id, resume_run_id is not None)
         dd.print0(describe(self.run, self.info, self.compute, self.optim.effective_lr, derived), info=self.info)
@@ -308,9 +307,9 @@ def train(run: Resolved) -> dict[str, float]:
     cfg = run.cfg
     follow_launcher(f"rank {os.environ.get('RANK', '0')}")  # a worker whose launcher dies stops as if preempted
     info = dd.init_distributed(cfg.distributed, run.backend)
-    trainer = claim = None
+    trainer = hold = None
     try:
-        claim = hold_training(cfg, info)  # before anything is written: InUse if another training writes here
+        hold = hold_training(cfg, info)  # before anything is written: InUse if another training writes here
         info = dd.open_host_sums(cfg.distributed, info)  # shared memory where distributed.shared_memory allows
         run.check_world_size(info.world_size)  # the job formed: an epoch has an optimizer step at its size
         share = HostShare(cfg.distributed.threads_per_process, info.processes_on_host, info.device.type == "cpu")
@@ -335,6 +334,6 @@ def train(run: Resolved) -> dict[str, float]:
     finally:
         if trainer is not None:
             trainer.data.loader.close()
-        if claim is not None:
-            claim.release()
+        if hold is not None:
+            hold.release()
         dd.cleanup()

@@ -19,16 +19,17 @@ from typing import Any
 
 from ddpipe.config.keys import flatten
 from ddpipe.config.schema import Config
-from ddpipe.core.claims import Claim
+from ddpipe.core.claims import Claim, StoreLease
 from ddpipe.core.environment import CLAIM_ENV
 from ddpipe.core.files import atomic_write_json, atomic_write_text
+from ddpipe.core.objectstore import is_store_url
 from ddpipe.core.ranks import DistInfo
 from ddpipe.data.store import Prepared
-from ddpipe.engine.checkpoint import fingerprint
+from ddpipe.engine.checkpoint import checkpoint_folder, fingerprint
 from ddpipe.engine.meters import EpochStats
 from ddpipe.engine.resolved import Resolved
 from ddpipe.models.saved import save_model
-from ddpipe.tracking.outbox import write_run_info
+from ddpipe.tracking.outbox import outbox_root, write_run_info
 from ddpipe.tracking.tracker import Tracker
 
 # The train stage's outputs, by their paths.* key (dvc.yaml's outs of the train stage)
@@ -47,21 +48,36 @@ def anchored_checkpoints(cfg: Config) -> Config:
     epoch 1. Such a run's checkpoints go to ``<the repository>/<paths.checkpoints>/queued/<12 hex digits of all its
     parameters>`` (:func:`ddpipe.config.keys.flatten`): the same experiment queued again resumes there from its step,
     and two experiments that differ in any parameter, a trajectory key or not (``mlflow.sweep``,
-    ``train.model_epoch``), never share a directory, nor the MLflow run a resumed checkpoint reopens. A training in the
-    repository
-    itself, or an absolute ``paths.checkpoints``: ``cfg`` as it is."""
-    root, where = os.environ.get("DVC_ROOT"), Path(cfg.paths.checkpoints)
-    if not root or where.is_absolute() or Path.cwd().resolve() == Path(root).resolve():
+    ``train.model_epoch``), never share a directory, nor the MLflow run a resumed checkpoint reopens. A store's
+    ``paths.checkpoints`` (``s3://...``) outlives the copy already: such a run's go to ``<it>/queued/<the same 12 hex
+    digits>``, for the same reason. A training in the repository itself, or an absolute ``paths.checkpoints``: ``cfg``
+    as it is."""
+    root, where = os.environ.get("DVC_ROOT"), cfg.paths.checkpoints
+    if not root or Path.cwd().resolve() == Path(root).resolve():
         return cfg
-    kept = Path(root).resolve() / where / QUEUED_CHECKPOINTS / fingerprint(flatten(cfg))
-    return replace(cfg, paths=replace(cfg.paths, checkpoints=str(kept)))
+    if is_store_url(where):
+        kept = f"{where.rstrip('/')}/{QUEUED_CHECKPOINTS}/{fingerprint(flatten(cfg))}"
+    elif Path(where).is_absolute():
+        return cfg
+    else:
+        kept = str(Path(root).resolve() / where / QUEUED_CHECKPOINTS / fingerprint(flatten(cfg)))
+    return replace(cfg, paths=replace(cfg.paths, checkpoints=kept))
+
+
+def run_markers(cfg: Config) -> Path:
+    """Where a training leaves the marker of its live MLflow run (ddpipe.tracking.tracker): its checkpoints' directory,
+    or, when they are in a store, this host's ``<mlflow.outbox>/live-runs`` (a marker names a process of this host)."""
+    if is_store_url(cfg.paths.checkpoints):
+        return outbox_root(cfg.mlflow.outbox) / "live-runs"
+    return Path(cfg.paths.checkpoints)
 
 
 def training_places(cfg: Config) -> dict[str, Path]:
-    """The directories a training writes, by the keys that name them: its checkpoints and its outputs'."""
+    """The directories of this host a training writes, by the keys that name them: its checkpoints (unless they are in
+    a store) and its outputs'."""
     paths = cfg.paths
-    return {"paths.checkpoints": Path(paths.checkpoints),
-            **{f"paths.{key}": Path(getattr(paths, key)).parent for key in OUTPUT_KEYS}}
+    checkpoints = {} if is_store_url(paths.checkpoints) else {"paths.checkpoints": Path(paths.checkpoints)}
+    return {**checkpoints, **{f"paths.{key}": Path(getattr(paths, key)).parent for key in OUTPUT_KEYS}}
 
 
 def claim_training(cfg: Config, role: str) -> Claim:
@@ -70,13 +86,37 @@ def claim_training(cfg: Config, role: str) -> Claim:
     return Claim.take(training_places(cfg), role)
 
 
-def hold_training(cfg: Config, info: DistInfo) -> Claim | None:
+class Hold:
+    """A worker's hold on what its training writes: its claim on this host's directories, and with checkpoints in a
+    store, global rank 0's lease there (ddpipe.core.claims.StoreLease)."""
+
+    def __init__(self, claim: Claim | None, lease: StoreLease | None = None) -> None:
+        self.claim, self.lease = claim, lease
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+        if self.claim is not None:
+            self.claim.release()
+
+
+def hold_training(cfg: Config, info: DistInfo) -> Hold:
     """This worker's hold on its training's directories: it joins the claim its launcher took (:data:`CLAIM_ENV`);
     started otherwise, global rank 0 takes one (a plain process, a torchrun by hand, a node of a several-node job:
-    their launchers cannot tell which node writes) and the other ranks, which write nothing there, hold none."""
+    their launchers cannot tell which node writes) and the other ranks, which write nothing there, hold none. With
+    ``paths.checkpoints`` in a store, global rank 0 also takes the lease there, whichever node it runs on."""
     if token := os.environ.get(CLAIM_ENV):
-        return Claim.join(training_places(cfg), token, f"rank {info.rank}")
-    return Claim.take(training_places(cfg), "rank 0") if info.is_main else None
+        claim = Claim.join(training_places(cfg), token, f"rank {info.rank}")
+    else:
+        claim = Claim.take(training_places(cfg), "rank 0") if info.is_main else None
+    if not (info.is_main and is_store_url(cfg.paths.checkpoints)):
+        return Hold(claim)
+    try:
+        return Hold(claim, StoreLease.take(checkpoint_folder(cfg.paths.checkpoints), "paths.checkpoints", "rank 0"))
+    except BaseException:
+        if claim is not None:
+            claim.release()
+        raise
 
 
 @dataclass

@@ -39,12 +39,14 @@ from ddpipe.config.schema import Config, ConfigError, DistributedConfig
 from ddpipe.core.claims import InUse
 from ddpipe.core.environment import CHECKED_ENV, CLAIM_ENV, NODES_ENV
 from ddpipe.core.exits import EXIT_PREEMPTED, STOP_SIGNALS
+from ddpipe.core.objectstore import StoreError
 from ddpipe.core.processes import alive, caller_past_shells, start_time
 from ddpipe.data.encoding import SMALL_IMAGE_SIDE
 from ddpipe.data.store import PreparedDataError
 from ddpipe.distributed.host_leases import GpuLease, visible_gpus
 from ddpipe.distributed.preemption import FOLLOW_EVERY_S, launcher_env
 from ddpipe.engine.assembly import build_network
+from ddpipe.engine.checkpoint import check_checkpoint_place
 from ddpipe.engine.pruning import trial_config
 from ddpipe.engine.resolved import Job, Resolved, resolve, resolve_job
 from ddpipe.engine.stage_outputs import anchored_checkpoints, claim_training
@@ -164,13 +166,14 @@ def main(argv: list[str] | None = None) -> None:
     overrides, on_every_node = cluster_nodes([a for a in argv if a != "--print"])
     # a search's trial: its own checkpoints; a queued experiment: checkpoints that outlive DVC's copy of the repository
     cfg = anchored_checkpoints(trial_config(load_or_exit(overrides, "-m ddpipe.launch")))
-    with user_errors(PreparedDataError):  # fail here, before any worker starts on any node
+    with user_errors(PreparedDataError, StoreError):  # fail here, before any worker starts on any node
         if cfg.distributed.nnodes != "1" and not cfg.distributed.rdzv_endpoint:
             raise ConfigError(f"distributed.rdzv_endpoint = '' is not accepted with distributed.nnodes = "
                               f"{cfg.distributed.nnodes!r}: every node needs host:port of the first node's rendezvous "
                               "(deploy/ sets it; ddpipe cluster submit sets it for queued experiments)")
         job = resolve_job(cfg.distributed)
         preflight(cfg, job.max_world_size)
+        check_checkpoint_place(cfg.paths.checkpoints)  # a store that is down, refuses the keys or lacks the bucket
         if note := check_access(cfg.mlflow):  # a server that refuses this user: before anything is written
             print(note, file=sys.stderr, flush=True)
     env = {**os.environ, CHECKED_ENV: "1", **launcher_env()}  # the workers follow this process (preemption)

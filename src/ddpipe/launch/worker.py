@@ -52,6 +52,7 @@ def main() -> None:
         run = worker_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     from ddpipe.core.claims import InUse
     from ddpipe.core.exits import EXIT_PREEMPTED, Preempted
+    from ddpipe.core.objectstore import StoreError
     from ddpipe.engine.loop import train
     from ddpipe.engine.optimizer import Diverged
 
@@ -60,6 +61,10 @@ def main() -> None:
             train(run)
     except Diverged:  # every rank stopped at that step, rank 0 said so in one line, the run is FAILED saying so
         sys.exit(1)   # no traceback: the line is the whole story
+    except StoreError as exc:  # paths.checkpoints' store failed past its retries: what it holds is whole
+        print(f"error: {exc}; the training stopped, its newest whole checkpoint kept there: run the same command once "
+              "the store answers, and it resumes from that one", file=sys.stderr, flush=True)
+        sys.exit(1)
     except Preempted as exc:  # the run is KILLED in MLflow; the same command resumes it
         print(f"training {exc}; run the same command to resume from the newest checkpoint "
               f"(exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
