@@ -22,7 +22,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 
 from ddpipe.core.objectstore import Store, StoreError, check
-from ddpipe.core.processes import alive
+from ddpipe.core.processes import alive, start_time, stop_group
 
 REMOTE, BUCKET = "store", "ddpipe"  # the remote .dvc/config names, and its bucket
 # SeaweedFS's servers beside the S3 one, at offsets from --port (their gRPC ports 10000 above, as SeaweedFS's own rule)
@@ -77,7 +76,7 @@ def start(directory: Path, port: int, bucket: str) -> dict:
     """The server of ``directory``, started unless it runs; what a client needs (endpoint, keys, bucket)."""
     directory = directory.resolve()
     running = state(directory)
-    if running and alive(running["pid"]):
+    if running and alive(running["pid"], running.get("started")):
         print(f"the object store of {directory} runs: {running['endpoint']} (pid {running['pid']})")
         return running
     ports = {"s3.port": port, **{name: port + offset for name, offset in OFFSETS.items()}}
@@ -99,7 +98,8 @@ def start(directory: Path, port: int, bucket: str) -> dict:
     with open(directory / "server.log", "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=directory)
     endpoint = f"http://127.0.0.1:{port}"
-    info = {"pid": proc.pid, "endpoint": endpoint, "bucket": bucket, "dir": str(directory)}
+    info = {"pid": proc.pid, "started": start_time(proc.pid), "endpoint": endpoint, "bucket": bucket,
+            "dir": str(directory)}
     store = Store(endpoint, keys["access_key_id"], keys["secret_access_key"])
     deadline = time.time() + 60
     while True:
@@ -119,11 +119,7 @@ def start(directory: Path, port: int, bucket: str) -> dict:
 
 def stop(directory: Path) -> None:
     running = state(directory.resolve())
-    if running and alive(running["pid"]):
-        os.killpg(running["pid"], signal.SIGTERM)
-        deadline = time.time() + 20
-        while alive(running["pid"]) and time.time() < deadline:
-            time.sleep(0.2)
+    if running and stop_group(running["pid"], running.get("started"), grace_s=20.0):
         print(f"stopped the object store of {directory} (pid {running['pid']})")
     else:
         print(f"no object store of {directory} runs")

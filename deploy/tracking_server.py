@@ -42,7 +42,6 @@ import ipaddress
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -52,7 +51,7 @@ import urllib.request
 from pathlib import Path
 
 from ddpipe.core.objectstore import Store, StoreError, check, is_store_url
-from ddpipe.core.processes import alive
+from ddpipe.core.processes import alive, stop_group
 from ddpipe.tracking.run_store import redact
 
 # Debian and Ubuntu install each PostgreSQL major version's programs in /usr/lib/postgresql/<major>/bin (15 on Debian
@@ -370,14 +369,7 @@ def stop(args: argparse.Namespace) -> None:
     pid_file = directory / "mlflow-server.pid"
     if pid_file.is_file():
         pid = int(pid_file.read_text())
-        if alive(pid):
-            os.killpg(pid, signal.SIGTERM)
-            for _ in range(100):
-                if not alive(pid):
-                    break
-                time.sleep(0.1)
-            else:
-                os.killpg(pid, signal.SIGKILL)
+        if stop_group(pid, grace_s=10.0):
             print(f"mlflow server (pid {pid}) stopped", flush=True)
         pid_file.unlink(missing_ok=True)
     if not args.keep_postgres:

@@ -11,8 +11,10 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import signal
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,6 +67,23 @@ def alive(pid: int, started: str | None = None) -> bool:
         return False
     except PermissionError:  # another user's process: alive
         return True
+    return True
+
+
+def stop_group(pid: int, started: str | None = None, grace_s: float = 10.0) -> bool:
+    """SIGTERM to the process group that ``pid`` leads (a server started in a session of its own), SIGKILL after
+    ``grace_s`` if it still runs; whether it was running. ``started`` (its :func:`start_time`): a later process that
+    reuses the pid is never signalled."""
+    if not alive(pid, started):
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while alive(pid, started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if alive(pid, started):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
     return True
 
 
