@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -327,6 +328,9 @@ def test_a_study_of_dvc_experiments_prunes_continues_and_names_its_best(repro_cl
     assert sorted(experiments) == sorted(f"lr-{t.number}" for t in study.trials if t.state.name == "COMPLETE")
     for ref in (r for r in refs if r.count("/") >= 4):  # the baseline's test figures are not carried as the trial's
         assert subprocess.run(["git", "cat-file", "-e", f"{ref}:metrics/test.json"], cwd=clone).returncode != 0, ref
+        # nor dvc.lock's entries of the stages it never ran (evaluate, export): nothing it did not make
+        lock = yaml.safe_load(run(["git", "show", f"{ref}:dvc.lock"], cwd=clone).stdout)
+        assert set(lock["stages"]) == {"fetch", "prepare", "train"}, (ref, list(lock["stages"]))
     assert "optimization_history.png" in {a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(
         parent.info.run_id, "search")}
 
@@ -335,6 +339,8 @@ def test_a_study_of_dvc_experiments_prunes_continues_and_names_its_best(repro_cl
     assert best == {"number": top.number, "params": top.params, "value": top.value, "experiment": f"lr-{top.number}"}
     status = run(["python", "-m", "ddpipe.search", "status"], cwd=clone, env=CLONE_ENV).stdout
     assert "| 2 | PRUNED at epoch 1 |" in status and f"| lr-{top.number} |" in status
+    # as in a fresh clone that ran the data stages only: the baseline's evaluate and export outputs not in the cache
+    _uncache_stages(clone, ("evaluate", "export"))
     applied = run(["python", "-m", "ddpipe.search", "best", "--apply"], cwd=clone, env=CLONE_ENV, timeout=600).stdout
     assert f"$ dvc exp apply lr-{top.number}" in applied and "$ dvc repro" in applied, applied
     assert "up to date" in run(["dvc", "status"], cwd=clone, env=CLONE_ENV).stdout.lower()
@@ -347,6 +353,18 @@ def test_a_study_of_dvc_experiments_prunes_continues_and_names_its_best(repro_cl
     (version,) = client.search_model_versions("name = 'clf'")
     assert version.run_id == chosen.info.run_id and version.tags["export_passed"] == "true", version.tags
     assert client.get_model_version_by_alias("clf", "champion").version == version.version
+
+
+def _uncache_stages(repo: Path, stages: tuple[str, ...]) -> None:
+    """The objects of ``stages``' outputs (as HEAD's dvc.lock names them) out of ``repo``'s DVC cache, and the files
+    out of its workspace: what a clone that never ran those stages has."""
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    for stage in stages:
+        for out in lock["stages"][stage].get("outs", []):
+            if md5 := out.get("md5"):
+                (repo / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]).unlink(missing_ok=True)
+            target = repo / out["path"]
+            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
 
 
 def _launcher_of(driver: subprocess.Popen) -> psutil.Process:

@@ -12,13 +12,17 @@ Used by a cluster job (:mod:`ddpipe.launch.cluster.job`) and by the search's tri
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 # Runs a command in a directory; returns its exit code, and raises when ``check`` and it failed
 Shell = Callable[..., int]
+# A dvc.yaml template, ``${paths.model}``: a key of params.yaml
+TEMPLATE = re.compile(r"\$\{([\w.]+)\}")
 # The commit that ``git stash create`` writes needs a name: the user's git may have none configured
 ANONYMOUS = ["-c", "user.name=ddpipe", "-c", "user.email=ddpipe@localhost"]
 
@@ -66,6 +70,63 @@ def make(ws: Path, source: str, baseline: str, changes: str = "", fetch: str = "
         sh(["dvc", "cache", "dir", "--local", cache], cwd=partial)
         sh(["dvc", "config", "--local", "cache.type", "hardlink,symlink,copy"], cwd=partial)
     partial.rename(ws)
+
+
+def _pipeline(repo: Path) -> dict[str, dict]:
+    """``repo``'s dvc.yaml stages, each ``deps``/``outs``/``metrics``/``plots`` list as a set of paths with DVC's
+    ``${key}`` templates resolved from params.yaml (an entry is a path, or ``{path: options}``)."""
+    import yaml
+
+    params = yaml.safe_load((repo / "params.yaml").read_text()) if (repo / "params.yaml").is_file() else {}
+
+    def value(match: re.Match) -> str:
+        found: Any = params
+        for part in match[1].split("."):
+            found = found.get(part) if isinstance(found, dict) else None
+        return match[0] if found is None else str(found)
+
+    def paths(entries: list | None) -> set[str]:
+        return {TEMPLATE.sub(value, e if isinstance(e, str) else next(iter(e))) for e in entries or []}
+
+    return {name: {key: paths(st.get(key)) for key in ("deps", "outs", "metrics", "plots")}
+            for name, st in yaml.safe_load((repo / "dvc.yaml").read_text())["stages"].items()}
+
+
+def drop_downstream(ws: Path, stage: str) -> list[str]:
+    """Remove from ``ws``'s dvc.lock the entries of the stages downstream of ``stage`` (those that read what it
+    writes, directly or through another), which an experiment of ``stage`` alone never runs; their names. Carried from
+    the baseline, those entries would name outputs the experiment did not make: ``dvc exp apply`` of it would fail
+    where the cache lacks the baseline's (a fresh clone), and its record would show the baseline's figures as its own.
+    Without them, ``dvc repro`` after the apply runs those stages on what the experiment made."""
+    import yaml
+
+    pipeline, lock_file = _pipeline(ws), ws / "dvc.lock"
+    if not lock_file.is_file() or stage not in pipeline:
+        return []
+
+    def writes(st: dict) -> set[str]:
+        return st["outs"] | st["metrics"] | st["plots"]
+
+    made, downstream = writes(pipeline[stage]), []
+    while more := [name for name, st in pipeline.items() if name != stage and name not in downstream and any(
+            dep == out or dep.startswith(out.rstrip("/") + "/") for dep in st["deps"] for out in made)]:
+        downstream += more
+        made |= set().union(*(writes(pipeline[name]) for name in more))
+    lock = yaml.safe_load(lock_file.read_text())
+    if any(name in lock.get("stages", {}) for name in downstream):
+        lock["stages"] = {k: v for k, v in lock["stages"].items() if k not in downstream}
+        lock_file.write_text(yaml.safe_dump(lock, sort_keys=False))
+    return downstream
+
+
+def unrun_outputs(repo: Path) -> set[str]:
+    """The outputs of ``repo``'s stages that its dvc.lock has no entry for (never run in this commit: what an
+    experiment of one stage leaves out, :func:`drop_downstream`), which ``dvc checkout`` cannot create."""
+    import yaml
+
+    lock_file = repo / "dvc.lock"
+    locked = yaml.safe_load(lock_file.read_text()).get("stages", {}) if lock_file.is_file() else {}
+    return set().union(*(st["outs"] for name, st in _pipeline(repo).items() if name not in locked))
 
 
 def cache_dir(repo: Path) -> str:

@@ -211,8 +211,8 @@ def _cache_dir(root: Path) -> str:
 
 
 def prepare_workspace(plan: Plan, trial: Any, root: Path, say: Any) -> Path:
-    """The trial's workspace, made afresh for this attempt: a clone of ``root`` at the commits its first attempt
-    recorded (HEAD, and the working tree's changes then), its outputs checked out of the shared DVC cache."""
+    """The trial's workspace, made afresh: a clone of ``root`` at the commits its first attempt recorded (HEAD, and
+    the working tree's changes then), its outputs checked out of the shared DVC cache."""
     commits = trial.user_attrs.get("workspace")
     if not commits or not all(workspace.has_commit(root, c) for c in commits if c):
         if commits:
@@ -225,8 +225,8 @@ def prepare_workspace(plan: Plan, trial: Any, root: Path, say: Any) -> Path:
     try:
         workspace.make(ws, str(root), commits[0], commits[1], cache=_cache_dir(root))
         workspace.quiet_shell(["dvc", "checkout", "--quiet"], cwd=ws, check=False)  # what the cache has
-        # the baseline's test and export figures out of the experiment: the trial never ran those stages
-        if plan.held_out:
+        workspace.drop_downstream(ws, TRIAL_STAGE)  # the baseline's evaluate and export: neither in its dvc.lock nor
+        if plan.held_out:  # their figures in its experiment (the trial never ran them; after an apply, repro does)
             workspace.quiet_shell(["git", "rm", "-r", "-q", "--ignore-unmatch", "--", *plan.held_out], cwd=ws)
     except (RuntimeError, OSError) as exc:
         raise SearchError(f"trial {trial.number}: its workspace {ws} could not be made: {exc}") from exc

@@ -12,11 +12,13 @@ trial; it records which trials' experiments were removed (its user attr :data:`R
 from __future__ import annotations
 
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ddpipe.config.schema import ConfigError
+from ddpipe.launch.workspace import unrun_outputs
 from ddpipe.search.driver import experiment_name
 from ddpipe.search.study import SearchError
 
@@ -143,10 +145,34 @@ def apply_best(best: dict[str, Any], root: Path) -> int:
                           "nothing to apply; run its params again with dvc exp run -S ...")
     for cmd in (["dvc", "exp", "apply", best["experiment"]], ["dvc", "repro"]):
         print(f"$ {' '.join(cmd)}", flush=True)
-        if code := subprocess.run(cmd, cwd=root, stdin=subprocess.DEVNULL).returncode:
-            print(f"{' '.join(cmd)} exited {code}", flush=True)
-            return code
+        applying = cmd[1] == "exp"
+        done = subprocess.run(cmd, cwd=root, stdin=subprocess.DEVNULL, capture_output=applying, text=True)
+        if applying:  # what it said, passed on
+            sys.stdout.write(done.stdout)
+            sys.stderr.write(done.stderr)
+        if done.returncode and not (applying and _applied_but_unrun(done, root)):
+            print(f"{' '.join(cmd)} exited {done.returncode}", flush=True)
+            return done.returncode
     return 0
+
+
+def _applied_but_unrun(done: subprocess.CompletedProcess, root: Path) -> bool:
+    """Whether a failed ``dvc exp apply`` failed only to check out the outputs of stages the trial never ran (its
+    dvc.lock has no entry for them: ddpipe.launch.workspace.drop_downstream), as in a clone whose cache never held the
+    baseline's: its params and the train stage's outputs are in place, and ``dvc repro`` makes the rest."""
+    failed = done.stderr.split("Checkout failed for following targets:", 1)
+    if len(failed) < 2:
+        return False
+    targets: set[str] = set()
+    for line in failed[1].strip().splitlines():  # the paths, one a line, then "Is your cache up to date?"
+        if " " in line.strip() or line.startswith("<"):
+            break
+        targets.add(line.strip())
+    if not targets or not targets <= unrun_outputs(root):
+        return False
+    print(f"note: {', '.join(sorted(targets))}: outputs of stages the trial never ran, which no cache here holds; "
+          "dvc repro makes them", flush=True)
+    return True
 
 
 def _dvc_remove(root: Path, refs: list[str]) -> None:
