@@ -190,6 +190,40 @@ def test_a_journal_trial_held_on_another_host_is_left_running_and_named(tmp_path
     assert len(notes) == 2 and all("trial(s) 0 are RUNNING" in n and "no heartbeat" in n for n in notes), said
 
 
+def test_a_finished_trial_whose_experiment_cannot_be_sent_back_is_kept_named_and_sent_by_the_next_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trial 1 finishes but its experiment's ``git push`` back fails, at its end and again at the run's end: it is not
+    told FAIL and nothing of it is removed (its folder, its checkpoints); it stays RUNNING, ``status`` says why, and no
+    other trial is run in its place. Its driver gone, the next ``run`` sends it and tells it COMPLETE."""
+    from optuna.trial import TrialState
+
+    from ddpipe.search import driver
+    from ddpipe.search.report import status
+    from ddpipe.search.study import open_study
+
+    _fake_trials(monkeypatch, tmp_path)
+    refused = "git push of refs/exps/x/u-1 from ws to repo failed"
+    monkeypatch.setattr(driver, "send_back", lambda plan, root, number: refused if number == 1 else "")
+    plan = _plan(tmp_path, "search.study=u", "search.first=[]", "search.sampler=random", "search.trials=3",
+                 "search.jobs=1", "search.pruner=none")
+    said: list[str] = []
+    driver.run(plan, tmp_path, say=said.append)
+    study = open_study(plan)
+    trials = study.get_trials(deepcopy=False)
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.RUNNING, TrialState.COMPLETE], said
+    assert trials[1].user_attrs["unsent"] == refused and driver.trial_folder(plan, 1).is_dir()
+    assert f"trial 1: finished, but {refused}" in "\n".join(said) and "still not sent back" in said[-1], said
+    assert f"RUNNING (finished, its experiment not sent back: {refused}; the next run sends it)" in status(study)
+
+    study._storage.set_trial_user_attr(trials[1]._trial_id, "driver", {"host": driver.driver_mark()["host"],
+                                                                         "pid": 2**22 + 11, "started": "0"})
+    monkeypatch.setattr(driver, "send_back", lambda plan, root, number: "")
+    driver.run(plan, tmp_path, say=said.append)
+    trials = open_study(plan).get_trials(deepcopy=False)
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3 and not driver.trial_folder(plan, 1).exists()
+    assert any("trial 1: its DVC experiment u-1 was finished: completed" in line for line in said), said
+
+
 def test_a_trial_another_driver_finished_is_skipped_not_a_crash(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """This driver's trial ended, but another driver (a database's, after this one's heartbeat went quiet) had failed

@@ -134,6 +134,7 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
     if note := held_note(study, plan.storage):
         say(note)
     running: list[Running] = []
+    unsent: list[Any] = []  # finished trials whose experiment could not be sent back: kept, sent again at the end
     failed_in_a_row, looked, waited = 0, time.time(), False
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
@@ -145,27 +146,27 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
                    and finished(study) + in_flight(study) < plan.settings.trials):
                 running.append(start(plan, study, root, say, cluster=cluster))
             if not running and not resume:
-                if (not studies.beating(study) or failed_in_a_row >= MAX_FAILED_IN_A_ROW or not in_flight(study)
-                        or finished(study) >= plan.settings.trials):
+                if (not studies.beating(study) or failed_in_a_row >= MAX_FAILED_IN_A_ROW
+                        or in_flight(study) <= len(unsent) or finished(study) >= plan.settings.trials):
                     break
                 if not waited:  # a database's trials held by drivers elsewhere: this one stays for any that go quiet
                     say(f"search {plan.settings.study}: waiting for trial(s) held by other drivers; one whose "
                         f"heartbeat stops for {studies.GRACE_S} s is run again here")
                     waited = True
             time.sleep(POLL_S)
-            heartbeat(study, [r.trial._trial_id for r in running] + [t._trial_id for t in resume])
+            heartbeat(study, [r.trial._trial_id for r in running] + [t._trial_id for t in resume + unsent])
             if studies.beating(study) and time.time() - looked >= studies.HEARTBEAT_S:  # after this driver's own beat
                 looked = time.time()
                 take_stale(plan, study, say)
             for done in [r for r in running if r.process.poll() is not None]:
                 running.remove(done)
                 state = record(plan, study, root, done, say)
-                if state == "STOPPED":
-                    resume.append(study.trials[done.trial.number])
+                if state in ("STOPPED", "UNSENT"):
+                    (resume if state == "STOPPED" else unsent).append(study.trials[done.trial.number])
                 failed_in_a_row = failed_in_a_row + 1 if state == "FAIL" else 0
     except BaseException as exc:  # Ctrl-C, SIGTERM or an error: the trainings stop at a step, their trials resumable
         for r in running:
-            stop(r.process)
+            on_cluster.stop(r.process)
         if running:
             say(f"search {plan.settings.study}: {type(exc).__name__}: trial(s) "
                 f"{', '.join(str(r.trial.number) for r in running)} stopped at their last step; the same command "
@@ -174,6 +175,12 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    for frozen in unsent:  # sent now, told COMPLETE; else left RUNNING, kept, for the next run (again())
+        if not send_back(plan, root, frozen.number):
+            again(plan, study, root, frozen, say)
+        else:
+            say(f"trial {frozen.number}: its DVC experiment is still not sent back; kept in "
+                f"{trial_workspace(plan, frozen.number)}: the next `ddpipe search run` sends it and tells the study")
     if finished(study) < plan.settings.trials and (note := held_note(study, plan.storage)):
         say(note)  # it stops short of search.trials: say why once more, last
     if failed_in_a_row >= MAX_FAILED_IN_A_ROW:
@@ -344,27 +351,10 @@ def heartbeat(study: Any, trial_ids: list[int]) -> None:
             study._storage.record_heartbeat(trial_id)
 
 
-def stop(process: subprocess.Popen | on_cluster.ClusterTrial) -> None:
-    """SIGTERM to ``process`` and every process under it (the training's launcher checkpoints and exits); wait. A
-    cluster's job is cancelled (its scheduler signals it)."""
-    import psutil
-
-    if isinstance(process, on_cluster.ClusterTrial):
-        process.stop()
-        return
-    try:
-        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        tree = []
-    for p in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.terminate()
-    process.wait()
-
-
 def record(plan: Plan, study: Any, root: Path, done: Running, say: Any) -> str:
     """How ``done`` ended, told to the study: COMPLETE (its best epoch's metric), PRUNED (where its training was pruned
-    or diverged), FAIL, or nothing if a signal stopped it (STOPPED: it runs again); SKIPPED: another driver told it."""
+    or diverged), FAIL, or nothing if a signal stopped it (STOPPED: it runs again) or its experiment could not be sent
+    back (UNSENT: kept, RUNNING, sent again); SKIPPED: another driver told it."""
     from optuna.exceptions import UpdateFinishedTrialError
     from optuna.trial import TrialState
 
@@ -375,8 +365,12 @@ def record(plan: Plan, study: Any, root: Path, done: Running, say: Any) -> str:
     if code and stopped.get("attempt") == done.attempt and "pruned_epoch" not in frozen.user_attrs:
         say(f"trial {number}: training {stopped.get('at', 'stopped')}; it runs again under the same number from there")
         return "STOPPED"
-    lost = send_back(plan, root, number) if code == 0 and values else ""
-    if code == 0 and values and not lost:
+    if code == 0 and values and (lost := send_back(plan, root, number)):  # finished: never deleted, told later
+        with contextlib.suppress(UpdateFinishedTrialError):
+            done.trial.set_user_attr("unsent", lost)
+        say(f"trial {number}: finished, but {lost}; its workspace is kept, and the search sends it again")
+        return "UNSENT"
+    if code == 0 and values:
         value = trial_value(frozen, plan.settings.direction)
         state = "COMPLETE" if tell(study, done.trial, say, value) else "SKIPPED"
         if state == "COMPLETE":
@@ -389,7 +383,7 @@ def record(plan: Plan, study: Any, root: Path, done: Running, say: Any) -> str:
             say(f"trial {number}: pruned {at}{diverged} (no DVC experiment)")
     else:
         tail = done.log.read_text(errors="replace").strip().splitlines()[-1:] if done.log.exists() else []
-        why = f"dvc exp run exited {code}: {tail[0][:300] if tail else ''}" if code else lost or \
+        why = f"dvc exp run exited {code}: {tail[0][:300] if tail else ''}" if code else \
             f"the training reported no {plan.settings.metric} (is {TRIAL_ENV} reaching it?)"
         with contextlib.suppress(UpdateFinishedTrialError):  # finished by another driver: tell() says so
             done.trial.set_user_attr("failure", why)

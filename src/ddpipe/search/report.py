@@ -30,7 +30,9 @@ def rows(study: Any) -> list[list[str]]:
     removed = set(study.user_attrs.get(REMOVED, ()))
     for t in study.get_trials(deepcopy=False):
         state = t.state.name + (f" at {pruned_at(t.user_attrs)}" if "pruned_epoch" in t.user_attrs else "") \
-            + (" (diverged)" if "diverged" in t.user_attrs else "")
+            + (" (diverged)" if "diverged" in t.user_attrs else "") \
+            + (f" (finished, its experiment not sent back: {t.user_attrs['unsent']}; the next run sends it)"
+               if t.state.name == "RUNNING" and "unsent" in t.user_attrs else "")
         params = " ".join(f"{k}={_shown(v)}" for k, v in t.params.items())
         experiment = "removed" if t.number in removed else \
             t.user_attrs.get("experiment", "") if t.state.name == "COMPLETE" else ""

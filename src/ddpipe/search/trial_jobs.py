@@ -12,6 +12,7 @@ requeues (its time limit, a preemption) resumes its step checkpoint in its works
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -98,3 +99,21 @@ def start(repo: Path, name: str, settings: list[str], spec: dict[str, Any]) -> C
         else:
             os.environ[TRIAL_ENV] = before
     return ClusterTrial(repo, record)
+
+
+def stop(process: subprocess.Popen | ClusterTrial) -> None:
+    """SIGTERM to ``process`` and every process under it (the training's launcher checkpoints and exits); wait. A
+    cluster's job is cancelled (its scheduler signals it)."""
+    import psutil
+
+    if isinstance(process, ClusterTrial):
+        process.stop()
+        return
+    try:
+        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.terminate()
+    process.wait()
