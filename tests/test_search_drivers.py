@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -222,6 +223,65 @@ def test_a_finished_trial_whose_experiment_cannot_be_sent_back_is_kept_named_and
     trials = open_study(plan).get_trials(deepcopy=False)
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 3 and not driver.trial_folder(plan, 1).exists()
     assert any("trial 1: its DVC experiment u-1 was finished: completed" in line for line in said), said
+
+
+def test_the_heartbeat_beats_from_its_own_thread_while_the_driver_is_busy_and_an_outage_stops_no_training(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A database study, a 1.5 s grace: sending trial 0's experiment back takes 3 s, while another driver looks for
+    stale trials every 0.2 s; the heartbeat's own thread keeps every held trial alive, none is failed. Then the
+    database stops answering the driver's loop for three polls and refuses every heartbeat: the driver says so once,
+    its trainings go on, and the study ends with all its trials completed."""
+    import sqlalchemy.exc
+    from optuna.trial import TrialState
+
+    from ddpipe.search import driver
+    from ddpipe.search import study as studies
+
+    _fake_trials(monkeypatch, tmp_path)
+    monkeypatch.setattr(studies, "HEARTBEAT_S", 0.3)
+    monkeypatch.setattr(studies, "GRACE_S", 1.5)
+    monkeypatch.setattr(driver, "send_back", lambda plan, root, number: time.sleep(3 if number == 0 else 0) or "")
+    plan = _plan(tmp_path, "search.study=hb", f"search.storage=sqlite:///{tmp_path}/study.db", "search.first=[]",
+                 "search.sampler=random", "search.trials=2", "search.jobs=1", "search.pruner=none")
+    elsewhere, closed, done = studies.open_study(plan), [], threading.Event()
+
+    def another_driver() -> None:  # (one that fails a trial stops there, so that a failing driver ends)
+        while not done.is_set() and not closed:
+            closed.extend(studies.close_stale(elsewhere))
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=another_driver)
+    watcher.start()
+    said: list[str] = []
+    try:
+        driver.run(plan, tmp_path, say=said.append)
+    finally:
+        done.set()
+        watcher.join()
+    assert closed == [] and [t.state for t in elsewhere.get_trials(deepcopy=False)] == [TrialState.COMPLETE] * 2, said
+
+    calls = {"n": 0}
+    real_finished = driver.finished
+
+    def flaky(study):  # noqa: ANN001, ANN202
+        calls["n"] += 1
+        if 3 <= calls["n"] <= 5:
+            raise sqlalchemy.exc.OperationalError("SELECT", {}, Exception("could not connect to server"))
+        return real_finished(study)
+
+    def refused(self, trial_id):  # noqa: ANN001, ANN202
+        raise sqlalchemy.exc.OperationalError("UPDATE", {}, Exception("could not connect to server"))
+
+    monkeypatch.setattr(driver, "finished", flaky)
+    monkeypatch.setattr(type(elsewhere._storage), "record_heartbeat", refused)
+    said.clear()
+    more = _plan(tmp_path, "search.study=hb", f"search.storage=sqlite:///{tmp_path}/study.db", "search.first=[]",
+                 "search.sampler=random", "search.trials=4", "search.jobs=1", "search.pruner=none")
+    driver.run(more, tmp_path, say=said.append)
+    assert [t.state for t in elsewhere.get_trials(deepcopy=False)] == [TrialState.COMPLETE] * 4, said
+    text = "\n".join(said)
+    assert text.count("the study's storage does not answer") == 1 and "answers again" in text, said
+    assert text.count("did not take the heartbeat") == 1, said
 
 
 def test_a_trial_another_driver_finished_is_skipped_not_a_crash(tmp_path: Path,

@@ -40,6 +40,7 @@ from typing import Any
 
 from ddpipe.config.schema import ClusterConfig
 from ddpipe.core.environment import REPO_ROOT_ENV, TRIAL_ENV
+from ddpipe.core.errors import one_line
 from ddpipe.core.exits import pruned_where
 from ddpipe.engine.pruning import epoch_values, trial_value
 from ddpipe.launch import workspace
@@ -47,7 +48,7 @@ from ddpipe.launch.cluster.queue import exp_ref, git
 from ddpipe.search import study as studies
 from ddpipe.search import trial_jobs as on_cluster
 from ddpipe.search.space import Plan, override_text
-from ddpipe.search.study import FIRST, SearchError, close_stale, driver_mark, first_of, held_note, open_study, orphans
+from ddpipe.search.study import FIRST, SearchError, driver_mark, first_of, held_note, open_study, orphans, take_stale
 
 POLL_S = 1.0
 TRIAL_STAGE = "train"  # the one stage a trial runs (dvc.yaml's name of it)
@@ -130,40 +131,57 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
     if resume:
         say(f"search {plan.settings.study}: trial(s) {', '.join(str(t.number) for t in resume)} lost their driver: "
             "resumed under the same number from their checkpoints")
-    take_stale(plan, study, say)
+    take_stale(study, say)
     if note := held_note(study, plan.storage):
         say(note)
     running: list[Running] = []
     unsent: list[Any] = []  # finished trials whose experiment could not be sent back: kept, sent again at the end
-    failed_in_a_row, looked, waited = 0, time.time(), False
+    failed_in_a_row, looked, waited, outage = 0, time.time(), False, False
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+
+    def held() -> list[int]:  # what the heartbeat's thread beats for: every trial this driver holds
+        return [r.trial._trial_id for r in list(running)] + [t._trial_id for t in [*resume, *unsent]]
+
     try:
-        while True:
-            while len(running) < plan.settings.jobs and resume:
-                if (started := again(plan, study, root, resume.pop(0), say, cluster)) is not None:
-                    running.append(started)
-            while (len(running) < plan.settings.jobs and failed_in_a_row < MAX_FAILED_IN_A_ROW
-                   and finished(study) + in_flight(study) < plan.settings.trials):
-                running.append(start(plan, study, root, say, cluster=cluster))
-            if not running and not resume:
-                if (not studies.beating(study) or failed_in_a_row >= MAX_FAILED_IN_A_ROW
-                        or in_flight(study) <= len(unsent) or finished(study) >= plan.settings.trials):
-                    break
-                if not waited:  # a database's trials held by drivers elsewhere: this one stays for any that go quiet
-                    say(f"search {plan.settings.study}: waiting for trial(s) held by other drivers; one whose "
-                        f"heartbeat stops for {studies.GRACE_S} s is run again here")
-                    waited = True
-            time.sleep(POLL_S)
-            heartbeat(study, [r.trial._trial_id for r in running] + [t._trial_id for t in resume + unsent])
-            if studies.beating(study) and time.time() - looked >= studies.HEARTBEAT_S:  # after this driver's own beat
-                looked = time.time()
-                take_stale(plan, study, say)
-            for done in [r for r in running if r.process.poll() is not None]:
-                running.remove(done)
-                state = record(plan, study, root, done, say)
-                if state in ("STOPPED", "UNSENT"):
-                    (resume if state == "STOPPED" else unsent).append(study.trials[done.trial.number])
-                failed_in_a_row = failed_in_a_row + 1 if state == "FAIL" else 0
+        with studies.Heartbeat(study, held, say):
+            while True:
+                try:  # a database that stops answering stops no training: the loop waits, and says so once
+                    while len(running) < plan.settings.jobs and resume:
+                        if (started := again(plan, study, root, resume[0], say, cluster)) is not None:
+                            running.append(started)
+                        resume.pop(0)
+                    while (len(running) < plan.settings.jobs and failed_in_a_row < MAX_FAILED_IN_A_ROW
+                           and finished(study) + in_flight(study) < plan.settings.trials):
+                        running.append(start(plan, study, root, say, cluster=cluster))
+                    if not running and not resume:
+                        if (not studies.beating(study) or failed_in_a_row >= MAX_FAILED_IN_A_ROW
+                                or in_flight(study) <= len(unsent) or finished(study) >= plan.settings.trials):
+                            break
+                        if not waited:  # a database's trials held by drivers elsewhere: stay for any that go quiet
+                            say(f"search {plan.settings.study}: waiting for trial(s) held by other drivers; one "
+                                f"whose heartbeat stops for {studies.GRACE_S} s is run again here")
+                            waited = True
+                    time.sleep(POLL_S)
+                    if studies.beating(study) and time.time() - looked >= studies.HEARTBEAT_S:
+                        looked = time.time()
+                        take_stale(study, say)
+                    for done in [r for r in running if r.process.poll() is not None]:
+                        state = record(plan, study, root, done, say)  # held (and beaten) until told
+                        running.remove(done)
+                        if state in ("STOPPED", "UNSENT"):
+                            (resume if state == "STOPPED" else unsent).append(study.trials[done.trial.number])
+                        failed_in_a_row = failed_in_a_row + 1 if state == "FAIL" else 0
+                    if outage:
+                        say(f"search {plan.settings.study}: the study's storage answers again")
+                    outage = False
+                except Exception as exc:
+                    if not studies.storage_failure(exc):
+                        raise
+                    if not outage:
+                        say(f"warning: search {plan.settings.study}: the study's storage does not answer "
+                            f"({one_line(exc, 200)}); the trainings go on, the driver tries again every {POLL_S:g} s")
+                    outage = True
+                    time.sleep(POLL_S)
     except BaseException as exc:  # Ctrl-C, SIGTERM or an error: the trainings stop at a step, their trials resumable
         for r in running:
             on_cluster.stop(r.process)
@@ -187,14 +205,6 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
         raise SearchError(f"search {plan.settings.study}: {failed_in_a_row} trials failed in a row; see their logs in "
                            f"{plan.folder} (ddpipe search status)")
     return study
-
-
-def take_stale(plan: Plan, study: Any, say: Any) -> None:
-    """A database's RUNNING trials whose heartbeat stopped (their driver, on any host, gone): failed, each queued again
-    with its params, which the next ask of any driver takes (:func:`ddpipe.search.study.close_stale`)."""
-    if closed := close_stale(study):
-        say(f"search {plan.settings.study}: trial(s) {', '.join(map(str, closed))} had no driver any more: failed, "
-            "queued again with the same params")
 
 
 def check_names(plan: Plan, study: Any, root: Path) -> None:
@@ -260,7 +270,9 @@ def start(plan: Plan, study: Any, root: Path, say: Any, resumed: Any = None,
     """Ask the study for the next trial (or take ``resumed``, a trial to run again) and start its experiment: here,
     or as a job of ``cluster``'s scheduler."""
     trial = resumed if resumed is not None else ask(plan, study, say)
-    heartbeat(study, [trial._trial_id])  # from the first instant: a trial never beaten would never go stale
+    with contextlib.suppress(Exception):  # from the first instant (never beaten, it never goes stale); lost, the
+        if studies.beating(study):       # heartbeat's thread beats it within HEARTBEAT_S
+            study._storage.record_heartbeat(trial._trial_id)
     name = experiment_name(plan.settings.study, trial.number)
     attempt = int(trial.user_attrs.get("attempts", 0)) + 1
     trial.set_user_attr("driver", driver_mark())
@@ -342,13 +354,6 @@ def again(plan: Plan, study: Any, root: Path, frozen: Any, say: Any,
         shutil.rmtree(trial_folder(plan, frozen.number), ignore_errors=True)
         return None
     return start(plan, study, root, say, resumed=trial, cluster=cluster)
-
-
-def heartbeat(study: Any, trial_ids: list[int]) -> None:
-    """A database's heartbeat of every trial this driver holds (a journal file has none: see study.orphans)."""
-    if studies.beating(study):
-        for trial_id in trial_ids:
-            study._storage.record_heartbeat(trial_id)
 
 
 def record(plan: Plan, study: Any, root: Path, done: Running, say: Any) -> str:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -217,3 +219,67 @@ def close_stale(study: Any) -> list[int]:
         optuna.storages.fail_stale_trials(study)
         still = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
     return sorted(before - still)
+
+
+def take_stale(study: Any, say: Callable[[str], None]) -> None:
+    """A database's RUNNING trials whose heartbeat stopped (their driver, on any host, gone): failed, each queued again
+    with its params, which the next ask of any driver takes (:func:`close_stale`)."""
+    if closed := close_stale(study):
+        say(f"search {study.study_name}: trial(s) {', '.join(map(str, closed))} had no driver any more: failed, "
+            "queued again with the same params")
+
+
+def storage_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a study's database failing to answer (Optuna's storage error, SQLAlchemy's DBAPI errors: a
+    server down, a network gone, a lock timed out), which may pass: the driver waits and tries again, its trainings
+    going on."""
+    import optuna
+
+    kinds: list[type] = [optuna.exceptions.StorageInternalError]
+    try:
+        from sqlalchemy.exc import DBAPIError
+        kinds.append(DBAPIError)
+    except ImportError:
+        pass
+    return isinstance(exc, tuple(kinds))
+
+
+class Heartbeat:
+    """The heartbeat of the trials a driver holds (``held()``: their ids), recorded from a thread of its own every
+    :data:`HEARTBEAT_S`, whatever the driver's loop is doing meanwhile (a slow ``git push``, ``dvc exp pull`` or
+    clone): its live trials never look dead to the drivers elsewhere. A database that fails to take a beat is said once
+    (through ``say``), tried again at the next beat, and said again when it answers; no training stops for it. A
+    journal file keeps no heartbeat: nothing to do."""
+
+    def __init__(self, study: Any, held: Callable[[], list[int]], say: Callable[[str], None]) -> None:
+        self.study, self.held, self.say = study, held, say
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ddpipe-search-heartbeat", daemon=True)
+
+    def __enter__(self) -> Heartbeat:
+        if beating(self.study):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        failing = False
+        while True:
+            try:
+                for trial_id in self.held():
+                    self.study._storage.record_heartbeat(trial_id)
+                if failing:
+                    self.say(f"search {self.study.study_name}: the study's storage answers again")
+                failing = False
+            except Exception as exc:  # a beat lost: said once; the trainings go on
+                if not failing:
+                    self.say(f"warning: search {self.study.study_name}: the study's storage did not take the "
+                             f"heartbeat ({one_line(exc, 200)}); the trainings go on, trying again every "
+                             f"{HEARTBEAT_S:g} s")
+                failing = True
+            if self._stop.wait(HEARTBEAT_S):
+                return
