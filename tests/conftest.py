@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -608,6 +608,16 @@ def start_object_store(directory: Path) -> Path:
             break
     start(directory, port, "ddpipe")
     return directory
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A local object store of the test module's own (:func:`start_object_store`), stopped after its tests."""
+    from deploy.object_store import stop
+
+    directory = start_object_store(tmp_path_factory.mktemp("store"))
+    yield directory
+    stop(directory)
 
 
 def object_store_env(directory: Path, port: int | None = None) -> dict[str, str]:

@@ -48,13 +48,6 @@ ONE = (*COMMON, "train.batch_size_per_rank=32", "distributed.nproc_per_node=1")
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory):
-    directory = start_object_store(tmp_path_factory.mktemp("store"))
-    yield directory
-    run([sys.executable, str(ROOT / "deploy" / "object_store.py"), "stop", "--dir", str(directory)])
-
-
-@pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory, prepared: Path) -> dict[str, torch.Tensor]:
     """The weights of the run straight through, its checkpoints on this host's disk."""
     tmp = tmp_path_factory.mktemp("straight")

@@ -9,18 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CLONE_ENV, GIT_ENV, ROOT, run, start_object_store
+from tests.conftest import CLONE_ENV, GIT_ENV, ROOT, run
 
 pytestmark = pytest.mark.slow
 
 SCRIPT = str(ROOT / "deploy" / "object_store.py")
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory):
-    directory = start_object_store(tmp_path_factory.mktemp("store"))
-    yield directory
-    run(["python", SCRIPT, "stop", "--dir", str(directory)])
 
 
 def _remote(repo: Path, store: Path) -> None:

@@ -299,9 +299,7 @@ class StoreLease:
         try:
             record = json.loads(self.place.read(LEASE_NAME))
             return Holder(**record["holder"]), float(record["renewed"])
-        except FileNotFoundError:
-            return None
-        except (ValueError, TypeError, KeyError):  # not a lease of ours: a dead one
+        except (FileNotFoundError, ValueError, TypeError, KeyError):  # none, or not a lease of ours: a dead one
             return None
 
     def _write(self) -> None:

@@ -162,7 +162,7 @@ def load_latest(where: Where, fp: str) -> tuple[Position, dict[str, Any]] | None
                   file=sys.stderr, flush=True)
             continue
         # its format first: a newer ddpipe's checkpoint stops the resume, never skipped for an older one
-        version = check_format(state, Path(path)) if isinstance(state, dict) else None
+        version = check_format(state, path) if isinstance(state, dict) else None
         if version is None or state.get("fingerprint") != fp:
             failures.append(f"{name}: not a ddpipe checkpoint of this run")
             continue
@@ -175,7 +175,7 @@ def load_latest(where: Where, fp: str) -> tuple[Position, dict[str, Any]] | None
     return None
 
 
-def check_format(state: dict[str, Any], path: Path) -> int:
+def check_format(state: dict[str, Any], path: str | Path) -> int:
     """The format ``state`` (loaded from ``path``) was written in; ValueError if it is newer than this code reads."""
     version = int(state.get("format_version", 0))
     if version > CHECKPOINT_FORMAT:

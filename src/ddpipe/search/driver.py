@@ -48,7 +48,7 @@ from ddpipe.launch.cluster.queue import exp_ref, git
 from ddpipe.search import study as studies
 from ddpipe.search import trial_jobs as on_cluster
 from ddpipe.search.space import Plan, override_text
-from ddpipe.search.study import FIRST, SearchError, driver_mark, first_of, held_note, open_study, orphans, take_stale
+from ddpipe.search.study import FIRST, SearchError, driver_mark, first_of, held_note, open_study, orphans
 
 POLL_S = 1.0
 TRIAL_STAGE = "train"  # the one stage a trial runs (dvc.yaml's name of it)
@@ -110,14 +110,6 @@ def finished(study: Any) -> int:
     return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
 
 
-def in_flight(study: Any) -> int:
-    """The study's RUNNING trials: this driver's, those it will resume, and other drivers' (several drivers, on this
-    host or others sharing a database, end the study together at ``search.trials``)."""
-    from optuna.trial import TrialState
-
-    return len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
-
-
 def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None = None) -> Any:
     """Run the search of ``plan`` in the repository at ``root`` until the study holds ``search.trials`` finished
     trials; returns the study. SIGTERM or SIGUSR1 stops it (:class:`Stopped`) as Ctrl-C does, trials resumable.
@@ -131,7 +123,7 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
     if resume:
         say(f"search {plan.settings.study}: trial(s) {', '.join(str(t.number) for t in resume)} lost their driver: "
             "resumed under the same number from their checkpoints")
-    take_stale(study, say)
+    studies.take_stale(study, say)
     if note := held_note(study, plan.storage):
         say(note)
     running: list[Running] = []
@@ -151,11 +143,11 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
                             running.append(started)
                         resume.pop(0)
                     while (len(running) < plan.settings.jobs and failed_in_a_row < MAX_FAILED_IN_A_ROW
-                           and finished(study) + in_flight(study) < plan.settings.trials):
+                           and finished(study) + studies.in_flight(study) < plan.settings.trials):
                         running.append(start(plan, study, root, say, cluster=cluster))
                     if not running and not resume:
                         if (not studies.beating(study) or failed_in_a_row >= MAX_FAILED_IN_A_ROW
-                                or in_flight(study) <= len(unsent) or finished(study) >= plan.settings.trials):
+                                or studies.in_flight(study) <= len(unsent) or finished(study) >= plan.settings.trials):
                             break
                         if not waited:  # a database's trials held by drivers elsewhere: stay for any that go quiet
                             say(f"search {plan.settings.study}: waiting for trial(s) held by other drivers; one "
@@ -164,7 +156,7 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
                     time.sleep(POLL_S)
                     if studies.beating(study) and time.time() - looked >= studies.HEARTBEAT_S:
                         looked = time.time()
-                        take_stale(study, say)
+                        studies.take_stale(study, say)
                     for done in [r for r in running if r.process.poll() is not None]:
                         state = record(plan, study, root, done, say)  # held (and beaten) until told
                         running.remove(done)
@@ -194,9 +186,7 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     for frozen in unsent:  # sent now, told COMPLETE; else left RUNNING, kept, for the next run (again())
-        if not send_back(plan, root, frozen.number):
-            again(plan, study, root, frozen, say)
-        else:
+        if not told_once_sent(plan, study, root, frozen, say):
             say(f"trial {frozen.number}: its DVC experiment is still not sent back; kept in "
                 f"{trial_workspace(plan, frozen.number)}: the next `ddpipe search run` sends it and tells the study")
     if finished(study) < plan.settings.trials and (note := held_note(study, plan.storage)):
@@ -344,16 +334,24 @@ def again(plan: Plan, study: Any, root: Path, frozen: Any, say: Any,
     experiment was finished and only the telling was lost with its driver, record it (returns None)."""
     import optuna
 
-    trial = optuna.trial.Trial(study, frozen._trial_id)
-    name = experiment_name(plan.settings.study, frozen.number)
-    if epoch_values(frozen) and not send_back(plan, root, frozen.number):
-        value = trial_value(frozen, plan.settings.direction)
-        if tell(study, trial, say, value):
-            say(f"trial {frozen.number}: its DVC experiment {name} was finished: completed, {plan.settings.metric} "
-                f"{value:.4f}")
-        shutil.rmtree(trial_folder(plan, frozen.number), ignore_errors=True)
+    if epoch_values(frozen) and told_once_sent(plan, study, root, frozen, say):
         return None
-    return start(plan, study, root, say, resumed=trial, cluster=cluster)
+    return start(plan, study, root, say, resumed=optuna.trial.Trial(study, frozen._trial_id), cluster=cluster)
+
+
+def told_once_sent(plan: Plan, study: Any, root: Path, frozen: Any, say: Any) -> bool:
+    """A finished trial's experiment sent into ``root`` (there already, or now), the trial told COMPLETE and its
+    folder removed; False, nothing changed, when it cannot be sent."""
+    import optuna
+
+    if send_back(plan, root, frozen.number):
+        return False
+    value = trial_value(frozen, plan.settings.direction)
+    if tell(study, optuna.trial.Trial(study, frozen._trial_id), say, value):
+        say(f"trial {frozen.number}: its DVC experiment {experiment_name(plan.settings.study, frozen.number)} was "
+            f"finished: completed, {plan.settings.metric} {value:.4f}")
+    shutil.rmtree(trial_folder(plan, frozen.number), ignore_errors=True)
+    return True
 
 
 def record(plan: Plan, study: Any, root: Path, done: Running, say: Any) -> str:

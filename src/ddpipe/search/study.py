@@ -221,6 +221,14 @@ def close_stale(study: Any) -> list[int]:
     return sorted(before - still)
 
 
+def in_flight(study: Any) -> int:
+    """The study's RUNNING trials: this driver's, those it will resume, and other drivers' (several drivers, on this
+    host or others sharing a database, end the study together at ``search.trials``)."""
+    from optuna.trial import TrialState
+
+    return len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+
+
 def take_stale(study: Any, say: Callable[[str], None]) -> None:
     """A database's RUNNING trials whose heartbeat stopped (their driver, on any host, gone): failed, each queued again
     with its params, which the next ask of any driver takes (:func:`close_stale`)."""
