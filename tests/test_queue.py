@@ -127,18 +127,20 @@ def test_a_queued_experiment_killed_twice_resumes_at_its_step_and_ends_as_if_nev
 
 
 @pytest.mark.slow
-def test_two_queued_experiments_differing_only_in_their_sweep_are_two_runs_each_in_its_sweep(
+def test_queued_experiments_differing_only_in_their_sweep_or_model_epoch_are_runs_of_their_own(
         repro_clone: Path) -> None:
-    """Two experiments, one after the other through DVC's queue, differing only in ``mlflow.sweep`` (outside the
-    trajectory): each is an MLflow run of its own, under its own sweep, with a checkpoint folder of its own; the second
-    never resumed the first's finished checkpoint and reopened its run."""
+    """Three experiments, one after the other through DVC's queue (issue 61, item 5): side-left and side-right differ
+    only in ``mlflow.sweep``, side-left and side-last only in ``train.model_epoch`` (both outside the trajectory):
+    each is an MLflow run of its own, under its own sweep, with a checkpoint folder of its own; a later one never
+    resumed an earlier one's finished checkpoint and reopened its run."""
     from mlflow import MlflowClient
 
     clone = repro_clone
-    experiments = {"side-left": "left", "side-right": "right"}
+    experiments = {"side-left": "left", "side-right": "right", "side-last": "left"}
     for name, sweep in experiments.items():
+        last = ["-S", "train.model_epoch=last"] if name == "side-last" else []
         run(["dvc", "exp", "run", "--queue", "-n", name, "-S", "seed=7", "-S", "num_epochs=1", "-S",
-             f"mlflow.sweep={sweep}"], cwd=clone, env=CLONE_ENV)
+             f"mlflow.sweep={sweep}", *last], cwd=clone, env=CLONE_ENV)
     with open(clone.parent / "start.log", "w") as log:
         started = subprocess.run(["dvc", "queue", "start", "-j", "1"], cwd=clone, env=subprocess_env(CLONE_ENV),
                                  stdout=log, stderr=subprocess.STDOUT, timeout=300)
@@ -148,8 +150,10 @@ def test_two_queued_experiments_differing_only_in_their_sweep_are_two_runs_each_
     client = MlflowClient(f"sqlite:///{clone}/mlflow.db")
     runs = {r.info.run_name: r for r in client.search_runs([e.experiment_id for e in client.search_experiments()])}
     assert set(experiments) <= set(runs), sorted(runs)
-    assert runs["side-left"].info.run_id != runs["side-right"].info.run_id
+    assert len({runs[name].info.run_id for name in experiments}) == 3
+    assert runs["side-last"].data.params["train.model_epoch"] == "last"
+    assert all(runs[name].data.tags["dvc_exp_name"] == name for name in experiments)
     sweep = {name: client.get_run(runs[name].data.tags["mlflow.parentRunId"]).data.tags["ddpipe.sweep"]
              for name in experiments}
     assert sweep == experiments
-    assert len(list((clone / "checkpoints" / "queued").iterdir())) == 2
+    assert len(list((clone / "checkpoints" / "queued").iterdir())) == 3

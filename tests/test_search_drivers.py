@@ -30,7 +30,9 @@ from ddpipe.engine.pruning import open_storage
 spec = json.loads(os.environ[TRIAL_ENV])
 study = optuna.load_study(study_name=spec["study"], storage=open_storage(spec["storage"]))
 trial = optuna.trial.Trial(study, spec["trial_id"])
-trial.report(-abs(math.log10(trial.params["train.base_lr"]) + 2.0), 1)
+value = -abs(math.log10(trial.params["train.base_lr"]) + 2.0)
+trial.report(value, 1)
+trial.set_user_attr("exported", {"epoch": 1, "weights": "raw", "value": value})
 """
 
 
@@ -135,7 +137,7 @@ def _take_over(plan, barrier, out) -> None:
 
     study = open_study(plan)
     barrier.wait()
-    out.put([t.number for t in orphans(study, plan.storage)])
+    out.put([t.number for t in orphans(study, plan.storage, lambda number: [])[0]])
     barrier.wait()  # alive until every driver has looked: a driver gone meanwhile leaves its trials to the others
 
 
@@ -165,6 +167,51 @@ def test_a_dead_drivers_trials_are_taken_over_by_exactly_one_driver(tmp_path: Pa
     assert sorted(n for got in taken for n in got) == list(range(12)), taken
     owners = {t.user_attrs["driver"]["pid"] for t in open_study(plan).get_trials(deepcopy=False)}
     assert owners <= {t.pid for t in takers} and dead.pid not in owners
+
+
+def test_a_trial_whose_driver_died_alone_is_left_to_its_live_training_then_taken_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trial 0's driver is killed alone while its training runs on (a process working in the trial's folder, as a
+    ``dvc exp run`` and its workers do): the next ``run`` neither removes its folder nor starts it again beside it; it
+    says so, beats it, finishes the other trials, and takes trial 0 over once its training has ended: it sends and
+    tells it, and the study ends with its 3 trials, trial 0 run by one attempt."""
+    from optuna.trial import TrialState
+
+    from ddpipe.search import driver
+    from ddpipe.search.study import open_study
+
+    _fake_trials(monkeypatch, tmp_path)
+    plan = _plan(tmp_path, "search.study=w", "search.first=[]", "search.sampler=random", "search.trials=3",
+                 "search.jobs=1", "search.pruner=none")
+    study = open_study(plan)
+    trial = study.ask({k: d.to_optuna() for k, d in plan.space.items()})
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    trial.set_user_attr("driver", {"host": driver.driver_mark()["host"], "pid": dead.pid, "started": "0"})
+    trial.set_user_attr("attempts", 1)
+    folder = driver.trial_workspace(plan, 0)
+    folder.mkdir(parents=True)
+    (folder / "kept").write_text("the live training's")
+    # the training its dead driver left: reports its epoch after 3 s (while the new driver runs trials 1 and 2), ends
+    training = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)\n" + FAKE_TRAINING], cwd=folder,
+                                env={**__import__("os").environ, driver.TRIAL_ENV: __import__("json").dumps(
+                                    {"storage": plan.storage, "study": "w", "trial_id": trial._trial_id})})
+    started: list[int] = []
+    real_start = driver.start
+    monkeypatch.setattr(driver, "start", lambda *a, **k: started.append(k.get("resumed") is not None) or
+                        real_start(*a, **k))
+    said: list[str] = []
+    try:
+        driver.run(plan, tmp_path, say=said.append)
+    finally:
+        training.kill()
+    text = "\n".join(said)
+    assert f"trial 0 lost its driver, and its training still runs (pids {training.pid}" in text, text
+    assert (folder / "kept").exists() or "trial 0: its DVC experiment w-0 was finished: completed" in text, text
+    assert started == [False, False], (started, text)  # trials 1 and 2 started; trial 0 never again
+    trials = open_study(plan).get_trials(deepcopy=False)
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3, text
+    assert trials[0].user_attrs["attempts"] == 1 and "trial 0: its DVC experiment w-0 was finished" in text, text
 
 
 def test_a_journal_trial_held_on_another_host_is_left_running_and_named(tmp_path: Path,

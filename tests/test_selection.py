@@ -50,6 +50,42 @@ def test_the_weight_average_is_exported_only_when_it_validates_better() -> None:
                                                                                          model.weight)
 
 
+@pytest.mark.parametrize(("metric", "model_epoch", "averaged", "expected"), [
+    ("val_accuracy", "best", False, 0.80),      # epoch 2, the best validation accuracy
+    ("val_loss", "best", False, 0.50),          # epoch 2's loss, not the lowest (epoch 3's 0.40)
+    ("val_accuracy", "last", False, 0.70),      # epoch 3, not the best epoch's 0.80
+    ("val_accuracy", "best", True, 0.85),       # the average exported: its figure
+    ("ema_val_accuracy", "last", False, 0.75),  # an ema_ metric is the average's, whatever is exported
+])
+def test_a_trials_value_is_the_figure_of_the_model_it_exports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              metric: str, model_epoch: str, averaged: bool,
+                                                              expected: float) -> None:
+    """Issue 61, item 4: a trial reports the value of the model it would hand on (the exported epoch, the exported
+    weights), which the driver tells: never its best epoch's when they differ (val_loss, model_epoch last, ema)."""
+    import optuna
+
+    from ddpipe.core.environment import TRIAL_ENV
+    from ddpipe.core.ranks import DistInfo
+    from ddpipe.engine import pruning
+    from ddpipe.engine.meters import EpochStats
+
+    history = [EpochStats(epoch=e, train_loss=1.0, train_accuracy=0.5, val_loss=loss, val_accuracy=acc, lr=0.1,
+                          images_per_s=1.0, epoch_seconds=1.0, ema_val_loss=loss, ema_val_accuracy=acc + 0.05)
+               for e, (loss, acc) in enumerate([(0.60, 0.60), (0.50, 0.80), (0.40, 0.70)], start=1)]
+    storage = str(tmp_path / "study.journal")
+    study = optuna.create_study(study_name="v", storage=pruning.open_storage(storage))
+    trial = study.ask()
+    monkeypatch.setenv(TRIAL_ENV, json.dumps({"storage": storage, "study": "v", "trial": 0,
+                                              "trial_id": trial._trial_id, "metric": metric, "pruner": "none",
+                                              "startup_trials": 1}))
+    pruning._TRIALS.clear()
+    epoch = 2 if model_epoch == "best" else 3
+    pruning.after_training(DistInfo(), history, epoch, "ema" if averaged else "raw")
+    frozen = study.trials[0]
+    assert pruning.trial_value(frozen) == pytest.approx(expected)
+    assert frozen.user_attrs["exported"]["epoch"] == epoch
+
+
 def test_the_selection_travels_in_a_weights_only_checkpoint(tmp_path: Path) -> None:
     sel, model = ModelSelection(TrainConfig()), nn.Linear(2, 1)
     sel.update(3, 0.9, model)

@@ -279,6 +279,35 @@ def test_a_journal_sent_twice_stores_each_record_once(monkeypatch: pytest.Monkey
     assert run_.data.params == {"seed": "1"} and run_.info.status == "FINISHED"
 
 
+def test_a_resumed_attempt_on_another_host_logs_each_step_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A resume re-runs the steps after its checkpoint and logs its last validation again, from a host whose outbox
+    knows nothing of the run: what the store holds of each key's steps is sent once; the new steps all go; after
+    the attempt's end, the evaluate stage's figures go whatever the run held (a re-run evaluation replaces them)."""
+    from ddpipe.tracking.outbox import Journal
+
+    client, run_id, first = _journal_of_a_new_run(monkeypatch, tmp_path, "resumed")
+    t0 = 1_700_000_000_000
+    first.append("metrics", metrics=[[key, step / 10, t0 + step, step] for step in (1, 2, 3)
+                                     for key in ("val_accuracy", "train_loss_step")])
+    first.append("metrics", metrics=[["test_accuracy", 0.5, t0, 0]])  # an earlier evaluation
+    first.append("end", status="KILLED", reason="stopped by SIGTERM", time=t0 + 9)
+    assert first.deliver(wait=True).error is None
+
+    other_host = Journal(tmp_path / "outbox-of-another-host", run_id, first.uri)
+    other_host.append("reopen", attempt=0)
+    for step in (2, 3, 4):  # again, with other values and timestamps (a non-exact re-run), then a new step
+        other_host.append("metrics", metrics=[["val_accuracy", 0.9, t0 + 100 + step, step],
+                                              ["train_loss_step", 0.9, t0 + 100 + step, step]])
+    other_host.append("end", status="FINISHED", reason="completed", time=t0 + 200)
+    other_host.append("metrics", metrics=[["test_accuracy", 0.8, t0 + 300, 0]])  # the evaluate stage's
+    assert other_host.deliver(wait=True).error is None
+    for key in ("val_accuracy", "train_loss_step"):
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+        assert history == [(1, 0.1), (2, 0.2), (3, pytest.approx(0.3)), (4, 0.9)], key
+    assert client.get_run(run_id).data.metrics["test_accuracy"] == 0.8
+    assert [m.step for m in client.get_metric_history(run_id, "test_accuracy")] == [0, 0]
+
+
 def test_two_runs_that_log_one_dataset_at_once_both_get_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The store looks for the experiment's dataset, then inserts it; a sweep's children that start together both
     insert it, and the later one hits the unique key (seen on SLURM: 'UNIQUE constraint failed: datasets...'). That
@@ -440,8 +469,11 @@ def test_sigterm_ends_killed_and_the_resumed_attempt_reopens_the_same_run(tmp_pa
     (r,) = _runs(tmp_path)
     assert r.info.run_id == killed.info.run_id and r.info.status == "FINISHED"
     assert r.data.tags["ddpipe.attempts"] == "2" and r.data.tags["ddpipe.end_reason"] == "completed"
-    steps = [m.step for m in _client(f"sqlite:///{tmp_path}/mlflow.db").get_metric_history(r.info.run_id, "val_loss")]
-    assert steps == [1, 2, 3, 4]
+    client = _client(f"sqlite:///{tmp_path}/mlflow.db")
+    for key in ("val_loss", "val_accuracy"):
+        assert sorted(m.step for m in client.get_metric_history(r.info.run_id, key)) == [1, 2, 3, 4], key
+    logged = [m.step for m in client.get_metric_history(r.info.run_id, "train_loss_step")]
+    assert sorted(logged) == sorted(set(logged)), logged  # each step once, the stop's included
     assert not list((tmp_path / "ckpt").glob("mlflow-run-*.json"))  # no live attempt left behind
 
 

@@ -50,6 +50,78 @@ def test_train_in_process_on_the_real_config_shrunk(tiny_cfg, prepared: Path) ->
     assert len(names) == 2 and names[-1].endswith("-e0001-s000000.pt")
 
 
+class Killed(Exception):
+    """A kill at a chosen point of a training run in this process (what a SIGKILL there would leave on disk)."""
+
+
+def test_kills_around_validations_leave_each_step_logged_once_and_the_live_files_after_each(
+        tiny_cfg, prepared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training with validations inside its epochs, killed after steps past its last checkpoint (the resume re-runs
+    them and logs its checkpoint's validation again), then between the first epoch's checkpoint and its logging: the
+    one MLflow run of the three attempts holds every epoch, validation and step once; the live files are rewritten
+    after every validation, inside an epoch too, and only once it is checkpointed."""
+    from mlflow.tracking import MlflowClient
+
+    from ddpipe.engine import loop
+
+    cfg = tiny_cfg(f"paths.prepared={prepared}", "num_epochs=2", "train.val_every_n_steps=10",
+                   "train.log_every_n_steps=1", "mlflow.log_system_metrics=false")
+    kills, live = {("step", 0, 13), ("save", 1, 0)}, []
+    real_step, real_save, real_report = loop.Trainer.train_step, loop.Trainer._save, loop.search_trial_after_validation
+
+    def train_step(self, micro_batches, epoch, step, meter):
+        real_step(self, micro_batches, epoch, step, meter)
+        if ("step", epoch, step) in kills:
+            kills.remove(("step", epoch, step))
+            raise Killed(f"after step {step} of epoch {epoch + 1}")
+
+    def save(self, pos, progress=None):
+        real_save(self, pos, progress)
+        if ("save", pos.epoch, pos.step) in kills:
+            kills.remove(("save", pos.epoch, pos.step))
+            raise Killed(f"after the checkpoint of {pos}")
+
+    def report(*args, **kwargs):  # after each validation's checkpoint, metrics and live files
+        rows = len(Path(cfg.paths.history).read_text().splitlines()) - 1
+        live.append({**json.loads(Path(cfg.paths.train_metrics).read_text())["train"], "history_rows": rows})
+        return real_report(*args, **kwargs)
+
+    monkeypatch.setattr(loop.Trainer, "train_step", train_step)
+    monkeypatch.setattr(loop.Trainer, "_save", save)
+    monkeypatch.setattr(loop, "search_trial_after_validation", report)
+    for _ in range(2):  # killed inside epoch 1, then after its checkpoint
+        with pytest.raises(Killed):
+            train(resolve(cfg, this_device()))
+    shown = json.loads(Path(cfg.paths.train_metrics).read_text())["train"]  # nothing of epoch 1's end shown before
+    assert not kills and shown == {k: v for k, v in live[-1].items() if k != "history_rows"}  # its checkpoint
+    assert "epochs" not in shown and shown["last_val_epoch"] == 1, shown
+    train(resolve(cfg, this_device()))
+
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    (r,) = client.search_runs([client.get_experiment_by_name(cfg.mlflow.experiment_name).experiment_id])
+    assert r.info.status == "FINISHED" and r.data.tags["ddpipe.attempts"] == "3"
+    per_epoch = int(r.data.params["steps_per_epoch"])
+    inside = [e * per_epoch + s for e in range(2) for s in range(10, per_epoch, 10)]
+
+    def steps(key: str) -> list[int]:
+        return sorted(m.step for m in client.get_metric_history(r.info.run_id, key))
+
+    assert steps("val_accuracy") == steps("best_val_accuracy") == [1, 2]
+    assert steps("val_accuracy_step") == steps("val_loss_step") == inside
+    assert steps("train_loss_step") == list(range(1, 2 * per_epoch + 1))
+    # the live files after every validation (epoch 1's end: killed after its checkpoint, shown by the resume)
+    stepped = {m.step: m.value for m in client.get_metric_history(r.info.run_id, "val_accuracy_step")}
+    shown = [(v["last_val_epoch"], v["last_val_step"]) for v in live]
+    assert shown == [(e, s) for e in (1, 2) for s in range(10, per_epoch, 10)] + [(2, per_epoch)], shown
+    for v in live:
+        inside_epoch = v["last_val_step"] < per_epoch
+        ended = v["last_val_epoch"] - inside_epoch  # the epochs ended by then: one history row each
+        assert v["running"] is True and v["history_rows"] == v.get("epochs", 0) == ended, v
+        if inside_epoch:
+            at = (v["last_val_epoch"] - 1) * per_epoch + v["last_val_step"]
+            assert v["last_val_accuracy"] == pytest.approx(stepped[at]), v
+
+
 RECIPE = ("train.ema_decay=0.9", "train.auto_augment=trivialaugment", "train.random_erasing=0.25",
           "train.mixup_alpha=0.2", "train.cutmix_alpha=1.0", "train.sampler=balanced", "train.class_weights=balanced",
           "train.wd_norm_bias=false")
@@ -166,6 +238,14 @@ def test_sigkilled_worker_is_restarted_and_resumes_exactly(tmp_path: Path, prepa
     assert proc.returncode == 0, out[-5000:]
     assert "resuming from" in out
     assert max_rel_diff(weights(clean / "model.pt"), weights(killed / "model.pt")) < 1e-4
+    # one MLflow run, reopened by the restart: the steps it re-ran from the checkpoint are not logged twice
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{killed}/mlflow.db")
+    (r,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert sorted(m.step for m in client.get_metric_history(r.info.run_id, "val_accuracy")) == [1, 2, 3]
+    logged = [m.step for m in client.get_metric_history(r.info.run_id, "train_loss_step")]
+    assert sorted(logged) == sorted(set(logged)) and r.data.tags["ddpipe.attempts"] == "2", logged
 
 
 @pytest.mark.slow

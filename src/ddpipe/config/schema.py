@@ -242,9 +242,9 @@ class TrainConfig:
         "rate, the global gradient norm and images/s go to MLflow at the global step (train_loss_step, lr_step, "
         "grad_norm, images_per_s_step); 0: per epoch only.", ge=0, trajectory=False)
     val_every_n_steps: int = param(
-        0, "Also validate every this many optimizer steps inside an epoch (0: at epoch ends only): val_loss_step and "
-        "val_accuracy_step to MLflow at the global step, then a step checkpoint; a search's pruner is asked after each "
-        "(its steps are validations).", ge=0, trajectory=False)
+        0, "Also validate every this many optimizer steps inside an epoch (0: at epoch ends only): a step checkpoint, "
+        "then val_loss_step and val_accuracy_step to MLflow at the global step and the live metrics files; a search's "
+        "pruner is asked after each (its steps are validations).", ge=0, trajectory=False)
 
 
 @dataclass
@@ -312,8 +312,13 @@ class MlflowConfig:
         True, "MLflow's system metrics (CPU, memory, GPU) every 10 s: rank 0's node into a local store, every "
         "node into a tracking server.")
     champion_alias: Optional[str] = param(
-        "champion", "With registered_model_name: the export stage moves this alias to the new version only when its "
-        "exports passed their check and its test accuracy beats the holder's on the same test split; null: no alias.")
+        "champion", "With registered_model_name: the export stage moves this alias to the version whose exported "
+        "model has the best validation accuracy (model_val_accuracy, on the same validation split) among those whose "
+        "exports passed their check and that the test does not veto; null: no alias.")
+    champion_max_test_drop: float = param(
+        0.05, "The test's veto on the champion: a version whose test accuracy is more than this (a share: 0.05 is 5 "
+        "points) below its own validation accuracy never takes the alias. The test never ranks versions.",
+        ge=0.0, le=1.0)
     outbox: str = param(
         "mlflow-outbox", "Where a run's MLflow records are kept until the store has them (relative: under the repo "
         "root); an unreachable server loses nothing: ddpipe outbox deliver.")

@@ -21,7 +21,8 @@ class SearchConfig:
                        "children of the parent run <study> (mlflow.sweep), its plots in search/<study>/.",
                        words="a word of letters, digits, _ and - (at most 63)")
     metric: str = param("val_accuracy", "The epoch metric a trial is judged by (reported after every validation; "
-                        "a trial's value is its best epoch's).", words="an epoch metric the training logs")
+                        "a trial's value is that of the model it hands on: train.model_epoch's epoch, its exported "
+                        "weights).", words="an epoch metric the training logs")
     direction: str = param("maximize", "Whether a larger metric is better; it must agree with the metric (a loss "
                            "minimizes, an accuracy maximizes).", choices=("maximize", "minimize"))
     trials: int = param(20, "Finished trials (completed or pruned) the study holds when `run` ends; running it "

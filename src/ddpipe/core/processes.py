@@ -87,6 +87,23 @@ def stop_group(pid: int, started: str | None = None, grace_s: float = 10.0) -> b
     return True
 
 
+def working_in(directory: str | Path) -> list[int]:
+    """The pids of this host's processes that work in ``directory`` or below it (their current directory) or name it
+    in their command line: whatever a DVC experiment runs there (``dvc exp run``, the stage's launcher, torchrun, the
+    workers and their loader workers), this process left out. Zombies are not counted: they run nothing."""
+    import psutil
+
+    marker, found = str(Path(directory).resolve()), []
+    for p in psutil.process_iter(["cmdline", "cwd", "status"]):
+        with contextlib.suppress(psutil.Error):
+            if p.pid == os.getpid() or p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if f"{p.info['cwd'] or ''}{os.sep}".startswith(marker + os.sep) or \
+                    any(marker in a for a in p.info["cmdline"] or ()):
+                found.append(p.pid)
+    return found
+
+
 def this_process() -> dict[str, str | int]:
     """This process as a marker file records it: host and pid (see :func:`alive_here`)."""
     return {"host": socket.gethostname(), "pid": os.getpid()}

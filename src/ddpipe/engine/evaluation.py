@@ -26,7 +26,7 @@ from ddpipe.data.store import PreparedDataError, load_meta
 from ddpipe.distributed.host_leases import cpu_share
 from ddpipe.engine.resolved import eval_batch_size, loader_workers
 from ddpipe.models.served import ImageClassifier
-from ddpipe.tracking.champion import test_split_digest
+from ddpipe.tracking.champion import split_digest
 from ddpipe.tracking.outbox import read_run_info
 from ddpipe.tracking.tracker import RunLogger
 
@@ -144,7 +144,7 @@ def _log_to_run(cfg: Config, test: dict, per_class: dict, reports: Path) -> None
         tracker.log_artifact(png, "evaluation")
     if cfg.mlflow.registered_model_name and cfg.mlflow.log_model:  # the alias is the export stage's to move
         tracker.log_champion(model_name=cfg.mlflow.registered_model_name, alias=None,
-                             test_accuracy=test["accuracy"], split=test_split_digest(cfg.paths.prepared))
+                             test_accuracy=test["accuracy"], split=split_digest(cfg.paths.prepared, "test"))
     tracker.close()  # delivered now, or said once where the records wait
 
 

@@ -2,6 +2,10 @@
 
 Launch: ``python -m ddpipe.launch [key=value ...]`` (what dvc.yaml runs: torchrun with this node's
 processes), or ``python stages/train_worker.py`` for one plain process (no process group, no DDP wrapper).
+
+After every validation (an epoch's end, or inside one: ``train.val_every_n_steps``) the checkpoint comes first, then
+its MLflow metrics and the live files: a kill before the checkpoint logs nothing of it; a resume logs the checkpoint's
+last validation again, and the delivery drops what the run holds already (``ddpipe.tracking.delivery``).
 """
 
 from __future__ import annotations
@@ -30,11 +34,15 @@ from ddpipe.engine.parts import TrainingParts, build_parts, wrap
 from ddpipe.engine.progress import make_progress
 from ddpipe.engine.pruning import after_divergence as search_trial_after_divergence
 from ddpipe.engine.pruning import after_stop as search_trial_after_stop
+from ddpipe.engine.pruning import after_training as search_trial_after_training
 from ddpipe.engine.pruning import after_validation as search_trial_after_validation
 from ddpipe.engine.pruning import validation_number
 from ddpipe.engine.resolved import Resolved
 from ddpipe.engine.stage_outputs import TrainingOutputs, hold_training, run_markers, save_outputs, write_progress
 from ddpipe.tracking.system_metrics import NoSystemMetrics, monitor_node
+
+# a validation's figures, by the epoch metrics' names (the ema_ ones with a weight average)
+VALIDATION_KEYS = ("val_loss", "val_accuracy", "ema_val_loss", "ema_val_accuracy")
 
 
 class Trainer:
@@ -53,11 +61,15 @@ class Trainer:
         self.parts = {"model": self.module, **self.optim.parts(), "selection": self.selection,  # checkpointed
                       **({"ema": self.ema} if self.ema else {})}
         self.history: list[EpochStats] = []
+        # the latest validation, checkpointed (validation_figures)
+        self.last_validation: dict[str, float] = {}
         self.loader_served_validation = False  # a validation inside the epoch (epoch_steps starts the loader again)
 
     def fit(self) -> dict[str, float]:
         pos, run_id, progress = self._restore()
         self._open_run(run_id)
+        if self.history or self.last_validation:
+            self._publish_restored()
         self.tracker.log_metrics({"threads_per_process": torch.get_num_threads()},
                                  step=pos.epoch * self.steps_per_epoch + pos.step)
         for epoch in range(pos.epoch, self.cfg.num_epochs):
@@ -117,17 +129,31 @@ class Trainer:
         meter.add(loss, logits, labels)
 
     def _end_epoch(self, stats: EpochStats) -> None:
+        """After epoch ``stats.epoch``'s validation: the selection (checkpointed state) and the checkpoint, then the
+        epoch's metrics and the live files (a kill before the checkpoint logs nothing of it), then a search's report."""
         self.history.append(stats)
         self.selection.update(stats.epoch, stats.val_accuracy, self.module, self.ema, stats.ema_val_accuracy)
-        # MLflow steps are epochs counted from 1, as in the history DVC plots
-        self.tracker.log_metrics({**stats.logged(), "best_val_accuracy": self.selection.best_val_accuracy},
-                                 step=stats.epoch)
-        so_far = self.selection.exported_epoch(len(self.history), self.ema is not None)  # DVC's view of a running run
-        write_progress(self.cfg, stage_metrics(self, *so_far), self.history, self.info)
+        self.last_validation = validation_figures(stats.epoch, self.steps_per_epoch, stats.logged())
         self._save(Position(stats.epoch, 0))
+        self._log_epoch(stats)
+        write_live(self)
         at = validation_number(stats.epoch, 0, self.steps_per_epoch, self.cfg.train.val_every_n_steps,
                                self.cfg.num_epochs)
         search_trial_after_validation(stats.logged(), at, self.tracker, self.info)  # a search's: report, maybe prune
+
+    def _log_epoch(self, stats: EpochStats) -> None:
+        # MLflow steps are epochs counted from 1, as in the history DVC plots
+        self.tracker.log_metrics({**stats.logged(), "best_val_accuracy": self.selection.best_val_accuracy},
+                                 step=stats.epoch)
+
+    def _publish_restored(self) -> None:
+        """A resume's checkpointed last epoch and validation inside an epoch logged again (what the run holds already
+        is dropped at delivery) and the live files rewritten: a kill after the checkpoint loses nothing."""
+        if self.history:
+            self._log_epoch(self.history[-1])
+        if self.last_validation and self.last_validation["val_step"] < self.steps_per_epoch:
+            log_inside(self, self.last_validation)
+        write_live(self)
 
     @torch.no_grad()
     def validate(self, average: WeightAverage | None = None) -> tuple[float, float]:
@@ -143,7 +169,7 @@ class Trainer:
         self.checkpointer.save(pos, self.parts, history=[asdict(h) for h in self.history],
                                run_id=self.tracker.run_id or "",
                                epoch_progress=(progress or EpochProgress()).as_state(),
-                               world_size=self.info.world_size)
+                               world_size=self.info.world_size, last_validation=self.last_validation)
 
     def _restore(self) -> tuple[Position, str | None, EpochProgress]:
         """Where to start, the MLflow run to reopen, and the interrupted epoch's progress."""
@@ -152,6 +178,7 @@ class Trainer:
             return Position(0, 0), None, EpochProgress()
         pos, state = found
         self.history = [EpochStats(**h) for h in state["history"]]
+        self.last_validation = dict(state.get("last_validation") or {})  # none in a checkpoint from before it was kept
         done = pos.epoch >= self.cfg.num_epochs or self.selection.should_stop(pos.epoch)
         was = int(state["world_size"] or self.info.world_size)  # None: not recorded (checkpoint format 0)
         dd.print0(resume_note(self.cfg.paths.checkpoints, pos, done, was, self.info.world_size), info=self.info)
@@ -175,6 +202,7 @@ class Trainer:
         seen = replace(self.data.meta, image_size=self.data.eval_size)  # the input the saved model takes
         save_outputs(self.run, TrainingOutputs(weights, exported_epoch, source, metrics, self.history, seen,
                                                self.data.examples(4)), self.tracker, self.info)
+        search_trial_after_training(self.info, self.history, exported_epoch, source)  # a search's: its value
         self.system.stop()
         self.tracker.finish()
         dd.barrier(self.info)
@@ -201,8 +229,9 @@ def epoch_steps(t: Trainer, epoch: int, start_step: int) -> Iterator[tuple[int, 
 def between_steps(t: Trainer, epoch: int, step: int, meter: EpochMeter) -> None:
     """After step ``step`` (from 1) of ``epoch`` (from 0), not the epoch's last: a validation when one is due
     (``train.val_every_n_steps``; skipped when the ranks agreed to stop, to stop sooner), then a step checkpoint when
-    one is due, after such a validation, or when every rank agreed to stop; then the stop itself, or a search's
-    pruner asked about the validation."""
+    one is due, after such a validation, or when every rank agreed to stop; then the stop itself, or the validation's
+    metrics and the live files (after its checkpoint: a kill before it logs nothing of it) and a search's pruner asked
+    about it."""
     tc, signum = t.cfg.train, t.stops.agreed()
     values = validate_inside(t, epoch, step) if not signum and tc.val_every_n_steps and \
         step % tc.val_every_n_steps == 0 else None
@@ -211,14 +240,16 @@ def between_steps(t: Trainer, epoch: int, step: int, meter: EpochMeter) -> None:
     if signum:
         raise Preempted(signum, epoch, step)
     if values:
+        log_inside(t, t.last_validation)
+        write_live(t)
         at = validation_number(epoch + 1, step, t.steps_per_epoch, tc.val_every_n_steps, t.cfg.num_epochs)
         search_trial_after_validation(values, at, t.tracker, t.info)
 
 
 def validate_inside(t: Trainer, epoch: int, step: int) -> dict[str, float]:
     """A validation after step ``step`` of ``epoch`` (from 0), inside it: exact over the ranks as an epoch's is (and of
-    the moving average too, with one), said on rank 0 and logged as ``val_loss_step``, ``val_accuracy_step`` (and the
-    ``ema_`` ones) at the global step; the training mode put back (a frozen body's BatchNorm stays frozen). Its
+    the moving average too, with one), said on rank 0 and kept as the trainer's last validation (logged by
+    :func:`log_inside` once checkpointed); the training mode put back (a frozen body's BatchNorm stays frozen). Its
     figures by the epoch metrics' names. Its time counts in the epoch's seconds."""
     loss, accuracy = t.validate()
     t.loader_served_validation = True  # the training's batches start again at the next step (epoch_steps)
@@ -227,11 +258,30 @@ def validate_inside(t: Trainer, epoch: int, step: int) -> dict[str, float]:
         values["ema_val_loss"], values["ema_val_accuracy"] = t.validate(t.ema)
     t.model.train()
     t.finetune.freeze_batchnorm(t.module)
-    t.tracker.log_metrics({f"{key}_step": value for key, value in values.items()},
-                          step=epoch * t.steps_per_epoch + step)
+    t.last_validation = validation_figures(epoch + 1, step, values)
     dd.print0(f"epoch {epoch + 1}, step {step}/{t.steps_per_epoch}: val loss {loss:.4f} acc {accuracy:.4f}",
               info=t.info)
     return values
+
+
+def validation_figures(epoch: int, step: int, metrics: dict[str, float]) -> dict[str, float]:
+    """The trainer's last validation: after step ``step`` of epoch ``epoch`` (both from 1; the epoch's end: its steps),
+    its figures of ``metrics``."""
+    return {"val_epoch": epoch, "val_step": step, **{k: v for k, v in metrics.items() if k in VALIDATION_KEYS}}
+
+
+def log_inside(t: Trainer, last: dict[str, float]) -> None:
+    """A validation inside an epoch (``last``: :func:`validation_figures`) to MLflow at its global step, as
+    ``val_loss_step``, ``val_accuracy_step`` (and the ``ema_`` ones)."""
+    t.tracker.log_metrics({f"{key}_step": last[key] for key in VALIDATION_KEYS if key in last},
+                          step=int(last["val_epoch"] - 1) * t.steps_per_epoch + int(last["val_step"]))
+
+
+def write_live(t: Trainer) -> None:
+    """The live files (``write_progress``): the stage's metrics of the epochs so far (none before the first ends) and
+    the last validation's: ``last_val_epoch``, ``last_val_step`` (in that epoch), ``last_val_loss`` and the others."""
+    so_far = stage_metrics(t, *t.selection.exported_epoch(len(t.history), t.ema is not None)) if t.history else {}
+    write_progress(t.cfg, {**so_far, **{f"last_{k}": v for k, v in t.last_validation.items()}}, t.history, t.info)
 
 
 def rebalance(t: Trainer, epoch: int, step: int) -> None:
@@ -268,7 +318,6 @@ def derived_params(t: Trainer) -> dict[str, Any]:
         # the GPUs this training was given (ddpipe.launch leases them: distributed.host_leases.GpuLease)
         "visible_gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "all") if t.device.type == "cuda" else "none",
     }
-
 
 
 def resume_note(directory: str, pos: Position, done: bool, was: int, now: int) -> str:

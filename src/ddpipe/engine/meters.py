@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddpipe.core.devices import PrecisionPolicy
+from ddpipe.core.metric_names import MODEL_VAL_ACCURACY
 from ddpipe.core.ranks import DistInfo
 from ddpipe.data.loaders import real_sample_mask
 from ddpipe.data.transforms import BatchTransform
@@ -57,6 +58,17 @@ class EpochStats:
     def logged(self) -> dict[str, float]:
         """The epoch's MLflow metrics (the weight average's only when kept)."""
         return {k: v for k, v in asdict(self).items() if k != "epoch" and v is not None}
+
+    def of_weights(self, metric: str, averaged: bool) -> float | None:
+        """The figure ``metric`` (an epoch metric's name) of the weights the epoch hands on: the weight average's
+        counterpart (``ema_val_accuracy`` for ``val_accuracy``) when those weights are the average (``averaged``).
+        The one definition of a run's score, taken at the epoch its model comes from (the exported epoch): a search's
+        trial reports it as its value, the train stage records it (``model_val_accuracy``, ``model_val_loss``) and
+        the champion alias moves by it (``ddpipe.tracking.champion``)."""
+        figures = self.logged()
+        if averaged and not metric.startswith("ema_") and f"ema_{metric}" in figures:
+            return figures[f"ema_{metric}"]
+        return figures.get(metric)
 
 
 @dataclass(frozen=True)
@@ -184,12 +196,15 @@ def final_metrics(history: list[EpochStats], best_epoch: int, best_val_accuracy:
                   ) -> dict[str, float]:
     """What a finished training reports (``paths.train_metrics``, the DVC metrics of the train stage);
     ``exported_ema``: the exported weights are the moving average (1) or the raw weights (0)."""
-    last = history[-1]
+    last, model = history[-1], history[exported_epoch - 1]
     ema = {"ema_val_accuracy": last.ema_val_accuracy, "exported_ema": float(exported_ema)} \
         if last.ema_val_accuracy is not None else {}
     return {
         "best_val_accuracy": best_val_accuracy, "best_epoch": best_epoch,
         "exported_epoch": exported_epoch, "epochs": len(history), **ema,
+        # the exported model's own validation figures (EpochStats.of_weights): what the champion alias is moved by
+        MODEL_VAL_ACCURACY: model.of_weights("val_accuracy", exported_ema),
+        "model_val_loss": model.of_weights("val_loss", exported_ema),
         "val_accuracy": last.val_accuracy, "val_loss": last.val_loss,
         "train_loss": last.train_loss, "train_accuracy": last.train_accuracy,
         "train_seconds": sum(h.epoch_seconds for h in history),

@@ -32,6 +32,7 @@ from ddpipe.engine.meters import EpochStats
 CONNECT_TIMEOUT_S = 10
 # The metrics a trial may be judged by: the epoch's own, as EpochStats logs them (the ema_ ones need train.ema_decay)
 EPOCH_METRICS = tuple(f.name for f in dataclasses.fields(EpochStats) if f.name != "epoch")
+EXPORTED = "exported"  # a trial's user attr: the epoch, weights (raw or ema) and value of the model it hands on
 
 
 def trial_spec() -> dict[str, Any] | None:
@@ -42,14 +43,17 @@ def trial_spec() -> dict[str, Any] | None:
 
 def trial_config(cfg: Any) -> Any:
     """``cfg`` as a search's trial trains it: no registered model version (``mlflow.registered_model_name`` None:
-    only the chosen trial, evaluated once after the search, registers one; issue 47), and ``paths.checkpoints`` at
-    the trial's own directory (search/<study>/trial-<n>/checkpoints), which outlives each attempt's workspace: a
-    trial stopped by a signal or with its driver resumes there from its step under the same number. Outside a
-    search, ``cfg`` as it is."""
+    only the chosen trial, evaluated once after the search, registers one; issue 47); its MLflow run a child of the
+    study's parent run (``mlflow.sweep`` = the study, set here and not in params.yaml, so that a trial's DVC experiment
+    holds a normal training's params and ``search best --apply`` leaves no sweep of the study behind); and
+    ``paths.checkpoints`` at the trial's own directory (search/<study>/trial-<n>/checkpoints), which outlives each
+    attempt's workspace: a trial stopped by a signal or with its driver resumes there from its step under the same
+    number. Outside a search, ``cfg`` as it is."""
     spec = trial_spec()
     if not spec:
         return cfg
-    cfg = dataclasses.replace(cfg, mlflow=dataclasses.replace(cfg.mlflow, registered_model_name=None))
+    cfg = dataclasses.replace(cfg, mlflow=dataclasses.replace(cfg.mlflow, registered_model_name=None,
+                                                              sweep=spec.get("study") or cfg.mlflow.sweep))
     if not spec.get("checkpoints"):
         return cfg
     return dataclasses.replace(cfg, paths=dataclasses.replace(cfg.paths, checkpoints=spec["checkpoints"]))
@@ -178,16 +182,33 @@ def after_validation(values: dict[str, Any], at: Validation, tracker: Any, info:
 
 
 def epoch_values(frozen: Any) -> list[float]:
-    """A trial's (an Optuna FrozenTrial's) reported values at its epochs' ends: those of the weights it may export (a
-    validation inside an epoch reports to the pruner, never the trial's value)."""
+    """A trial's (an Optuna FrozenTrial's) reported values at its epochs' ends (a validation inside an epoch reports
+    to the pruner only)."""
     per_epoch = int(frozen.user_attrs.get("validations_per_epoch", 1))
     return [value for number, value in sorted(frozen.intermediate_values.items()) if number % per_epoch == 0]
 
 
-def trial_value(frozen: Any, direction: str) -> float | None:
-    """A trial's value: the best of :func:`epoch_values` (``direction``, the study's), None when it reported none."""
-    values = epoch_values(frozen)
-    return (max(values) if direction == "maximize" else min(values)) if values else None
+def trial_value(frozen: Any) -> float | None:
+    """A trial's value: the metric of the model it would hand on (:func:`after_training` recorded it: the exported
+    epoch's, of the exported weights), not its best epoch's; None when its training did not finish."""
+    exported = frozen.user_attrs.get(EXPORTED)
+    return None if exported is None or exported.get("value") is None else float(exported["value"])
+
+
+def after_training(info: DistInfo, history: list[EpochStats], epoch: int, source: str) -> None:
+    """A finished trial's training, on rank 0: tell the study the value of the model it hands on (epoch ``epoch``'s
+    weights, raw or ``ema``: ``EpochStats.of_weights``), which the driver tells as the trial's value, so that the
+    trial chosen is scored by the model ``search best --apply`` would evaluate and export. The study's store down:
+    warned; the driver then fails the trial, naming why."""
+    if not info.is_main or trial_spec() is None or not 1 <= epoch <= len(history):
+        return
+    try:
+        trial = _this_trial(info)
+        value = history[epoch - 1].of_weights(trial.spec["metric"], source == "ema")
+        trial.trial.set_user_attr(EXPORTED, {"epoch": epoch, "weights": source, "value": value})
+    except Exception as exc:
+        warnings.warn(f"search trial: could not tell the study its model's value ({type(exc).__name__}: {exc})",
+                      RuntimeWarning, stacklevel=2)
 
 
 def pruned_at(attrs: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ from ddpipe.config.schema import Config
 from ddpipe.core.claims import Claim, StoreLease
 from ddpipe.core.environment import CLAIM_ENV
 from ddpipe.core.files import atomic_write_json, atomic_write_text
+from ddpipe.core.metric_names import MODEL_VAL_ACCURACY
 from ddpipe.core.objectstore import is_store_url
 from ddpipe.core.ranks import DistInfo
 from ddpipe.data.store import Prepared
@@ -144,7 +145,8 @@ def save_outputs(run: Resolved, outputs: TrainingOutputs, tracker: Tracker, info
     atomic_write_json(paths.train_metrics, {"train": outputs.metrics})
     atomic_write_text(paths.history, history_csv(outputs.history))
     write_run_info(paths.run_info, tracker.store_id() or "", tracker.uri)
-    tracker.log_metrics({"best_epoch": outputs.metrics["best_epoch"], "exported_epoch": outputs.exported_epoch})
+    tracker.log_metrics({key: outputs.metrics[key] for key in ("best_epoch", "exported_epoch", MODEL_VAL_ACCURACY,
+                                                                "model_val_loss")})
     if cfg.mlflow.log_model:
         example = outputs.example_images.numpy()  # as a client has them: uint8, N x H x W for grey
         tracker.log_model(Path(paths.model), example[:, 0] if example.shape[1] == 1 else example, run.model_name)
@@ -152,12 +154,14 @@ def save_outputs(run: Resolved, outputs: TrainingOutputs, tracker: Tracker, info
 
 
 def write_progress(cfg: Config, metrics: dict[str, float], history: list[EpochStats], info: DistInfo) -> None:
-    """After each validation, on global rank 0: ``paths.train_metrics`` and ``paths.history`` with what is known so
+    """After each validation (an epoch's end, or inside one: ``train.val_every_n_steps``), once its checkpoint is
+    written, on global rank 0: ``paths.train_metrics`` and ``paths.history`` (a row per epoch) with what is known so
     far, each atomically, so that ``dvc metrics show``, ``dvc plots show`` and the VS Code extension show a running
-    training. The metrics say ``running: true`` (a stopped training leaves them so); :func:`save_outputs` writes the
-    finished training's, without it. A view, not an output: where they cannot be written (DVC's copy of the
-    repository removed under a training it stops, after `dvc queue kill --force`; a full disk) the training says so
-    and goes on, to its stop and its checkpoint."""
+    training. The metrics (flat numbers, the latest validation's among them: ``ddpipe.engine.loop.write_live``) say
+    ``running: true`` (a stopped training leaves them so); :func:`save_outputs` writes the finished training's, without
+    it. A view, not an output: where they cannot be written (DVC's copy of the repository removed under a training it
+    stops, after `dvc queue kill --force`; a full disk) the training says so and goes on, to its stop and its
+    checkpoint."""
     if not info.is_main:
         return
     try:

@@ -11,9 +11,11 @@ moves only after a pass (``ddpipe.tracking.champion.record_export``).
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,6 +23,7 @@ import torch
 from ddpipe.config.schema import Config, ConfigError
 from ddpipe.core.devices import cpu_int8_kind
 from ddpipe.core.files import atomic_write_json
+from ddpipe.core.metric_names import MODEL_VAL_ACCURACY, VAL_SPLIT
 from ddpipe.data.loaders import BatchKey, Splits
 from ddpipe.data.store import PreparedDataError, load_meta
 from ddpipe.distributed.host_leases import cpu_share
@@ -31,6 +34,7 @@ from ddpipe.export.graph import export_onnx
 from ddpipe.export.int8 import CALIBRATION_BATCH, quantize
 from ddpipe.models.onnx_served import OnnxClassifier
 from ddpipe.models.served import ImageClassifier
+from ddpipe.tracking.champion import split_digest
 from ddpipe.tracking.outbox import read_run_info
 from ddpipe.tracking.tracker import RunLogger
 
@@ -167,5 +171,14 @@ def _log_to_run(cfg: Config, metrics: dict, failures: list[str], graphs: dict[st
     tracker.log_champion("export", graphs={} if failures else {k: str(v) for k, v in graphs.items()},
                          model_name=registered, alias=cfg.mlflow.champion_alias, passed=not failures,
                          log_model=cfg.mlflow.log_model,
-                         why="; ".join(failures), figures={**figures, **made_for})
+                         why="; ".join(failures), figures={**figures, **made_for}, **_selection_figures(cfg))
     tracker.close()
+
+
+def _selection_figures(cfg: Config) -> dict[str, Any]:
+    """What the champion alias is decided by (ddpipe.tracking.champion.decide): the exported model's validation
+    accuracy (the train stage's ``model_val_accuracy``), the validation split's digest, and the test's veto."""
+    train = json.loads(Path(cfg.paths.train_metrics).read_text()).get("train", {}) \
+        if Path(cfg.paths.train_metrics).is_file() else {}
+    return {MODEL_VAL_ACCURACY: train.get(MODEL_VAL_ACCURACY), VAL_SPLIT: split_digest(cfg.paths.prepared, "val"),
+            "max_test_drop": cfg.mlflow.champion_max_test_drop}

@@ -1,7 +1,7 @@
 """``ddpipe search run``: ask the study for trials and run each as a DVC experiment, ``search.jobs`` at once,
 until the study holds ``search.trials`` finished ones (completed or pruned); the same command again continues it.
 
-Each trial is ``dvc exp run -n <study>-<number> -S key=value ... -S mlflow.sweep=<study> train``: a DVC experiment of
+Each trial is ``dvc exp run -n <study>-<number> -S key=value ... train``: a DVC experiment of
 the train stage alone (never evaluate or export: the test split is for the chosen trial, once), run in a workspace of
 its own (:mod:`ddpipe.launch.workspace`: a clone of the repository at HEAD with the working tree's changes, DVC's
 cache shared), beside the others; on success its experiment ref is sent back to the repository. (``dvc exp run
@@ -28,7 +28,6 @@ import contextlib
 import functools
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -42,9 +41,10 @@ from ddpipe.config.schema import ClusterConfig
 from ddpipe.core.environment import REPO_ROOT_ENV, TRIAL_ENV
 from ddpipe.core.errors import one_line
 from ddpipe.core.exits import pruned_where
-from ddpipe.engine.pruning import epoch_values, trial_value
+from ddpipe.core.processes import working_in
+from ddpipe.engine.pruning import EXPORTED, trial_value
 from ddpipe.launch import workspace
-from ddpipe.launch.cluster.queue import exp_ref, git
+from ddpipe.launch.cluster.queue import exp_ref
 from ddpipe.search import study as studies
 from ddpipe.search import trial_jobs as on_cluster
 from ddpipe.search.space import Plan, override_text
@@ -91,9 +91,9 @@ def trial_workspace(plan: Plan, number: int) -> Path:
 
 
 def settings(plan: Plan, trial: Any) -> list[str]:
-    """The trial's params as ``dvc exp run`` sets them, and its MLflow parent: ``-S key=value ...``."""
-    sets = [f"{key}={override_text(value)}" for key, value in trial.params.items()]
-    return [w for s in [*sets, f"mlflow.sweep={plan.settings.study}"] for w in ("-S", s)]
+    """The trial's params as ``dvc exp run`` sets them: ``-S key=value ...`` (its MLflow parent, the study's run, comes
+    with the trial's description: ddpipe.engine.pruning.trial_config)."""
+    return [w for key, value in trial.params.items() for w in ("-S", f"{key}={override_text(value)}")]
 
 
 def command(plan: Plan, trial: Any) -> list[str]:
@@ -117,12 +117,16 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
     if cluster is not None:
         on_cluster.check(cluster, plan.storage)
     study = open_study(plan)
-    check_names(plan, study, root)
+    studies.check_names(plan, study, root)
     plan.folder.mkdir(parents=True, exist_ok=True)
-    resume = orphans(study, plan.storage)  # before close_stale, which would fail a database trial gone quiet
+    # before close_stale, which would fail a database trial gone quiet; a trial whose training still runs is watched
+    resume, watched = orphans(study, plan.storage, lambda number: working_in(trial_folder(plan, number)))
     if resume:
         say(f"search {plan.settings.study}: trial(s) {', '.join(str(t.number) for t in resume)} lost their driver: "
             "resumed under the same number from their checkpoints")
+    for t in watched:
+        say(f"search {plan.settings.study}: trial {t.number} lost its driver, and its training still runs (pids "
+            f"{' '.join(map(str, working_in(trial_folder(plan, t.number))))}): left running, taken over when it ends")
     studies.take_stale(study, say)
     if note := held_note(study, plan.storage):
         say(note)
@@ -132,7 +136,7 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGUSR1)}
 
     def held() -> list[int]:  # what the heartbeat's thread beats for: every trial this driver holds
-        return [r.trial._trial_id for r in list(running)] + [t._trial_id for t in [*resume, *unsent]]
+        return [r.trial._trial_id for r in list(running)] + [t._trial_id for t in [*resume, *unsent, *watched]]
 
     try:
         with studies.Heartbeat(study, held, say):
@@ -145,7 +149,10 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
                     while (len(running) < plan.settings.jobs and failed_in_a_row < MAX_FAILED_IN_A_ROW
                            and finished(study) + studies.in_flight(study) < plan.settings.trials):
                         running.append(start(plan, study, root, say, cluster=cluster))
-                    if not running and not resume:
+                    for t in [t for t in watched if not working_in(trial_folder(plan, t.number))]:
+                        watched.remove(t)  # its training ended: sent and told if it finished, else run again
+                        resume.append(study.trials[t.number])
+                    if not running and not resume and not watched:
                         if (not studies.beating(study) or failed_in_a_row >= MAX_FAILED_IN_A_ROW
                                 or studies.in_flight(study) <= len(unsent) or finished(study) >= plan.settings.trials):
                             break
@@ -195,21 +202,6 @@ def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None 
         raise SearchError(f"search {plan.settings.study}: {failed_in_a_row} trials failed in a row; see their logs in "
                            f"{plan.folder} (ddpipe search status)")
     return study
-
-
-def check_names(plan: Plan, study: Any, root: Path) -> None:
-    """Before any trial: no DVC experiment of ``root`` is named as a trial of this study would be (``<study>-<n>``)
-    unless it is that trial's (an earlier study of the same name, removed, left its experiments)."""
-    pattern = re.compile(rf"{re.escape(plan.settings.study)}-(\d+)")
-    numbers = {t.number for t in study.get_trials(deepcopy=False)}
-    refs = git(root, "for-each-ref", "--format=%(refname)", "refs/exps", check=False).split()
-    taken = sorted({name for r in refs if (m := pattern.fullmatch(name := r.rsplit("/", 1)[-1]))
-                    and int(m.group(1)) not in numbers}, key=lambda n: int(n.rsplit("-", 1)[1]))
-    if taken:
-        raise SearchError(f"search.study = {plan.settings.study!r}: DVC experiment(s) {', '.join(taken[:5])}"
-                          f"{' ...' if len(taken) > 5 else ''} exist, and the study in {plan.storage} has no such "
-                          "trial (an earlier study of this name, removed?); remove them (dvc exp remove "
-                          f"{' '.join(taken[:5])}) or name this study otherwise (search.study=...)")
 
 
 @functools.cache
@@ -334,7 +326,13 @@ def again(plan: Plan, study: Any, root: Path, frozen: Any, say: Any,
     experiment was finished and only the telling was lost with its driver, record it (returns None)."""
     import optuna
 
-    if epoch_values(frozen) and told_once_sent(plan, study, root, frozen, say):
+    if "pruned_epoch" in frozen.user_attrs:  # pruned (or diverged) while its driver was gone: told so now
+        if tell(study, optuna.trial.Trial(study, frozen._trial_id), say, state=optuna.trial.TrialState.PRUNED):
+            at = pruned_where(frozen.user_attrs["pruned_epoch"], frozen.user_attrs.get("pruned_step", 0))
+            say(f"trial {frozen.number}: pruned {at} while its driver was gone (no DVC experiment)")
+        shutil.rmtree(trial_folder(plan, frozen.number), ignore_errors=True)
+        return None
+    if EXPORTED in frozen.user_attrs and told_once_sent(plan, study, root, frozen, say):
         return None
     return start(plan, study, root, say, resumed=optuna.trial.Trial(study, frozen._trial_id), cluster=cluster)
 
@@ -346,7 +344,7 @@ def told_once_sent(plan: Plan, study: Any, root: Path, frozen: Any, say: Any) ->
 
     if send_back(plan, root, frozen.number):
         return False
-    value = trial_value(frozen, plan.settings.direction)
+    value = trial_value(frozen)
     if tell(study, optuna.trial.Trial(study, frozen._trial_id), say, value):
         say(f"trial {frozen.number}: its DVC experiment {experiment_name(plan.settings.study, frozen.number)} was "
             f"finished: completed, {plan.settings.metric} {value:.4f}")
@@ -355,26 +353,25 @@ def told_once_sent(plan: Plan, study: Any, root: Path, frozen: Any, say: Any) ->
 
 
 def record(plan: Plan, study: Any, root: Path, done: Running, say: Any) -> str:
-    """How ``done`` ended, told to the study: COMPLETE (its best epoch's metric), PRUNED (where its training was pruned
-    or diverged), FAIL, or nothing if a signal stopped it (STOPPED: it runs again) or its experiment could not be sent
-    back (UNSENT: kept, RUNNING, sent again); SKIPPED: another driver told it."""
+    """How ``done`` ended, told to the study: COMPLETE (its exported model's metric), PRUNED (where its training was
+    pruned or diverged), FAIL, or nothing if a signal stopped it (STOPPED: it runs again) or its experiment could not
+    be sent back (UNSENT: kept, RUNNING, sent again); SKIPPED: another driver told it."""
     from optuna.exceptions import UpdateFinishedTrialError
     from optuna.trial import TrialState
 
     frozen = study.trials[done.trial.number]
-    values = epoch_values(frozen)
+    value = trial_value(frozen)  # its exported model's, recorded at its training's end
     number, code = done.trial.number, done.process.returncode
     stopped = frozen.user_attrs.get("stopped") or {}
     if code and stopped.get("attempt") == done.attempt and "pruned_epoch" not in frozen.user_attrs:
         say(f"trial {number}: training {stopped.get('at', 'stopped')}; it runs again under the same number from there")
         return "STOPPED"
-    if code == 0 and values and (lost := send_back(plan, root, number)):  # finished: never deleted, told later
+    if code == 0 and value is not None and (lost := send_back(plan, root, number)):  # never deleted, told later
         with contextlib.suppress(UpdateFinishedTrialError):
             done.trial.set_user_attr("unsent", lost)
         say(f"trial {number}: finished, but {lost}; its workspace is kept, and the search sends it again")
         return "UNSENT"
-    if code == 0 and values:
-        value = trial_value(frozen, plan.settings.direction)
+    if code == 0 and value is not None:
         state = "COMPLETE" if tell(study, done.trial, say, value) else "SKIPPED"
         if state == "COMPLETE":
             say(f"trial {number}: completed, {plan.settings.metric} {value:.4f}, DVC experiment {done.experiment}")
@@ -387,7 +384,7 @@ def record(plan: Plan, study: Any, root: Path, done: Running, say: Any) -> str:
     else:
         tail = done.log.read_text(errors="replace").strip().splitlines()[-1:] if done.log.exists() else []
         why = f"dvc exp run exited {code}: {tail[0][:300] if tail else ''}" if code else \
-            f"the training reported no {plan.settings.metric} (is {TRIAL_ENV} reaching it?)"
+            f"the training reported no {plan.settings.metric} of its model (is {TRIAL_ENV} reaching it?)"
         with contextlib.suppress(UpdateFinishedTrialError):  # finished by another driver: tell() says so
             done.trial.set_user_attr("failure", why)
         state = "FAIL" if tell(study, done.trial, say, state=TrialState.FAIL) else "SKIPPED"

@@ -11,6 +11,7 @@ trial; it records which trials' experiments were removed (its user attr :data:`R
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpipe.config.schema import ConfigError
+from ddpipe.core.metric_names import TEST_ACCURACY
 from ddpipe.launch.workspace import unrun_outputs
 from ddpipe.search.driver import experiment_name
 from ddpipe.search.study import SearchError
@@ -25,6 +27,7 @@ from ddpipe.search.study import SearchError
 KEEP = 10  # the best completed trials whose experiments stay, unless --keep says otherwise
 BATCH = 200  # refs per `dvc exp remove`: 200 refs of ~70 characters are far below any command line's limit
 REMOVED = "experiments_removed"  # the study's user attr: the trials whose experiments `remove` removed
+TESTED = "tested"  # the study's user attr: each trial `best --apply` evaluated on the test split, and its accuracy
 KEEP_ACCEPTED = "an integer >= 0: the best completed trials whose DVC experiments stay (0: remove them all)"
 
 
@@ -135,14 +138,25 @@ def remove(study: Any, root: Path, removal: Removal) -> str:
     return "\n".join(lines) + "\n"
 
 
-def apply_best(best: dict[str, Any], root: Path) -> int:
+def apply_best(best: dict[str, Any], root: Path, study: Any, test_metrics: str) -> int:
     """``best --apply``: the chosen trial evaluated once, ``dvc exp apply`` of its DVC experiment then ``dvc repro``
-    in ``root`` (its train stage is up to date; evaluate and export run, on the test split for the first time in the
-    search, and with ``mlflow.registered_model_name`` set its one version is registered and the alias moves as after
-    any training). Returns the first non-zero exit code, else 0; SearchError when ``remove`` removed the experiment."""
+    in ``root`` (its train stage is up to date: a trial's experiment holds a plain training's params, no sweep of the
+    study; evaluate and export run, on the test split for the first time in the search, and with
+    ``mlflow.registered_model_name`` set its one version is registered and the alias decided as after any training).
+    The study records the test (its user attr ``tested``: trial, experiment, test accuracy from ``test_metrics``) once
+    per trial; a trial tested before is said so, and a second trial tested says how often the split has been looked
+    at. Returns the first non-zero exit code, else 0; SearchError when ``remove`` removed the experiment."""
     if not best["experiment"]:
         raise SearchError(f"trial {best['number']}'s DVC experiment was removed (ddpipe search remove): "
                           "nothing to apply; run its params again with dvc exp run -S ...")
+    tested = list(study.user_attrs.get(TESTED, []))
+    if before := [t for t in tested if t["trial"] == best["number"]]:
+        print(f"note: trial {best['number']} was tested before (test accuracy {before[0][TEST_ACCURACY]:.4f}); "
+              "applied again, its test is not recorded twice", flush=True)
+    elif tested:
+        print(f"note: this study's test split was looked at before, for trial(s) "
+              f"{', '.join(str(t['trial']) for t in tested)}: each look is one more chance to fit it; the study "
+              "records this one beside", flush=True)
     for cmd in (["dvc", "exp", "apply", best["experiment"]], ["dvc", "repro"]):
         print(f"$ {' '.join(cmd)}", flush=True)
         applying = cmd[1] == "exp"
@@ -153,6 +167,12 @@ def apply_best(best: dict[str, Any], root: Path) -> int:
         if done.returncode and not (applying and _applied_but_unrun(done, root)):
             print(f"{' '.join(cmd)} exited {done.returncode}", flush=True)
             return done.returncode
+    if not before:
+        accuracy = float(json.loads((root / test_metrics).read_text())["test"]["accuracy"])
+        study.set_user_attr(TESTED, [*tested, {"trial": best["number"], "experiment": best["experiment"],
+                                               TEST_ACCURACY: accuracy}])
+        print(f"search {study.study_name}: trial {best['number']} tested: test accuracy {accuracy:.4f} (recorded "
+              "in the study, once)", flush=True)
     return 0
 
 

@@ -9,8 +9,9 @@ from typing import Any
 
 from ddpipe.config.schema import Config
 from ddpipe.core.errors import one_line
-from ddpipe.engine.pruning import pruned_at
-from ddpipe.search.experiments import REMOVED
+from ddpipe.core.metric_names import TEST_ACCURACY
+from ddpipe.engine.pruning import EXPORTED, pruned_at
+from ddpipe.search.experiments import REMOVED, TESTED
 from ddpipe.search.study import SearchError
 from ddpipe.tracking.run_store import bound_http_requests, experiment_id, open_client, sweep_parent, tracking_uri
 from ddpipe.tracking.sweeps import SEARCH_TAG, markdown
@@ -28,9 +29,11 @@ def rows(study: Any) -> list[list[str]]:
     ``removed`` once ``remove`` removed it), the MLflow run."""
     table = [["trial", "state", "params", "value", "epochs", "DVC experiment", "MLflow run"]]
     removed = set(study.user_attrs.get(REMOVED, ()))
+    tested = {r["trial"]: r[TEST_ACCURACY] for r in study.user_attrs.get(TESTED, ())}
     for t in study.get_trials(deepcopy=False):
         state = t.state.name + (f" at {pruned_at(t.user_attrs)}" if "pruned_epoch" in t.user_attrs else "") \
             + (" (diverged)" if "diverged" in t.user_attrs else "") \
+            + (f" (tested by best --apply: test accuracy {tested[t.number]:.4f})" if t.number in tested else "") \
             + (f" (finished, its experiment not sent back: {t.user_attrs['unsent']}; the next run sends it)"
                if t.state.name == "RUNNING" and "unsent" in t.user_attrs else "")
         params = " ".join(f"{k}={_shown(v)}" for k, v in t.params.items())
@@ -38,7 +41,8 @@ def rows(study: Any) -> list[list[str]]:
             t.user_attrs.get("experiment", "") if t.state.name == "COMPLETE" else ""
         value = "" if t.value is None else f"{t.value:.4f}"
         attempts = int(t.user_attrs.get("attempts", 1))
-        epochs = str(t.user_attrs.get("epochs", "")) + (f" ({attempts} attempts)" if attempts > 1 else "")
+        epochs = str(t.user_attrs.get("epochs", "")) + (f" ({attempts} attempts)" if attempts > 1 else "") \
+            + (f", model of epoch {t.user_attrs[EXPORTED]['epoch']}" if EXPORTED in t.user_attrs else "")
         table.append([str(t.number), state, params, value, epochs, experiment, t.user_attrs.get("mlflow_run", "")])
     return table
 

@@ -5,6 +5,7 @@ host's, under a lock) or failed and retried (a database's, silent), and the ``fi
 from __future__ import annotations
 
 import hashlib
+import re
 import socket
 import threading
 import warnings
@@ -16,6 +17,7 @@ from ddpipe.config.schema import ConfigError
 from ddpipe.core.errors import one_line
 from ddpipe.core.processes import alive, named_host_lock, start_time
 from ddpipe.engine.pruning import make_pruner, open_storage
+from ddpipe.launch.cluster.queue import git
 from ddpipe.search.space import Plan
 from ddpipe.tracking.run_store import redact
 
@@ -151,10 +153,12 @@ def driver_mark() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "started": start_time(os.getpid())}
 
 
-def orphans(study: Any, where: str) -> list[Any]:
+def orphans(study: Any, where: str, still_running: Callable[[int], list[int]]) -> tuple[list[Any], list[Any]]:
     """The RUNNING trials whose driver on this host is gone (killed, or stopped by a signal), taken over by this
-    driver (its mark, and a heartbeat in a database, so that no other driver fails them meanwhile): the caller runs
-    each again under its number. Returns them (FrozenTrials).
+    driver (its mark, and a heartbeat in a database, so that no other driver fails them meanwhile). Returns them
+    (FrozenTrials) in two lists: those of which nothing runs, which the caller runs again under their numbers; and
+    those whose training still runs (``still_running(number)``: the pids of its processes on this host, found as
+    :func:`ddpipe.core.processes.working_in` finds them), which the caller leaves running and takes once they end.
 
     A compare-and-set: the marks are read and rewritten under a lock on this host named after the study's storage
     ``where`` and its name, so of drivers taking over at once exactly one takes each trial (read, then written
@@ -162,7 +166,7 @@ def orphans(study: Any, where: str) -> list[Any]:
     it, so a host's lock is enough; another host's are a database's, failed by heartbeat (:func:`close_stale`)."""
     from optuna.trial import TrialState
 
-    found = []
+    idle, live = [], []
     store, beats = study._storage, beating(study)
     with named_host_lock("search-takeover", where, study.study_name):
         for trial in study.get_trials(states=(TrialState.RUNNING,)):  # read inside the lock: what the last holder wrote
@@ -171,8 +175,8 @@ def orphans(study: Any, where: str) -> list[Any]:
                 store.set_trial_user_attr(trial._trial_id, "driver", driver_mark())
                 if beats:
                     store.record_heartbeat(trial._trial_id)
-                found.append(trial)
-    return found
+                (live if still_running(trial.number) else idle).append(trial)
+    return idle, live
 
 
 def held_elsewhere(study: Any) -> dict[int, str]:
@@ -291,3 +295,18 @@ class Heartbeat:
                 failing = True
             if self._stop.wait(HEARTBEAT_S):
                 return
+
+
+def check_names(plan: Plan, study: Any, root: Path) -> None:
+    """Before any trial: no DVC experiment of ``root`` is named as a trial of this study would be (``<study>-<n>``)
+    unless it is that trial's (an earlier study of the same name, removed, left its experiments)."""
+    pattern = re.compile(rf"{re.escape(plan.settings.study)}-(\d+)")
+    numbers = {t.number for t in study.get_trials(deepcopy=False)}
+    refs = git(root, "for-each-ref", "--format=%(refname)", "refs/exps", check=False).split()
+    taken = sorted({name for r in refs if (m := pattern.fullmatch(name := r.rsplit("/", 1)[-1]))
+                    and int(m.group(1)) not in numbers}, key=lambda n: int(n.rsplit("-", 1)[1]))
+    if taken:
+        raise SearchError(f"search.study = {plan.settings.study!r}: DVC experiment(s) {', '.join(taken[:5])}"
+                          f"{' ...' if len(taken) > 5 else ''} exist, and the study in {plan.storage} has no such "
+                          "trial (an earlier study of this name, removed?); remove them (dvc exp remove "
+                          f"{' '.join(taken[:5])}) or name this study otherwise (search.study=...)")

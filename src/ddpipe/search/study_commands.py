@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"best: trial {top['number']}, {plan.settings.metric} {top['value']:.4f}, {top['params']}; {where}",
                   flush=True)
             if "--apply" in argv:
-                return apply_best(top, root)
+                return apply_best(top, root, study, cfg.paths.test_metrics)
     return 0
 
 

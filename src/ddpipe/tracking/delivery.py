@@ -1,9 +1,16 @@
 """How each kind of outbox record reaches MLflow (``ddpipe.tracking.outbox`` keeps them and says when): one sender per
 record, each idempotent, consecutive metric records sent as one batch. MLflow is imported here, on the first
-delivery, never by a training's import of the tracker."""
+delivery, never by a training's import of the tracker.
+
+A resumed training's metrics are idempotent too: its ``reopen`` reads the highest step of each metric key the run holds
+in the store (whichever host resumes: the store knows, not an outbox) and keeps it beside the journal
+(``<name>.steps.json``); until the attempt's ``end``, a metric at or below its key's kept step is dropped, not sent
+twice (the steps re-run from the checkpoint, the checkpoint's last validation logged again:
+``ddpipe.engine.loop``)."""
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 from collections.abc import Callable
@@ -12,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpipe.core.errors import one_line
+from ddpipe.core.files import atomic_write_json
 from ddpipe.tracking.run_store import open_client
 
 # MLflow's REST limits per log_batch request
@@ -58,7 +66,7 @@ def send(journal: Any) -> Delivery:
         client = open_client(journal.uri)  # one opener at a time: the first migrates a sqlite store
     except Exception as exc:  # a store that cannot be opened now (a file being migrated, a driver error): wait
         return Delivery(0, len(records), exc)
-    sent, i = 0, 0
+    sent, i, held = 0, 0, held_steps(journal)
     while i < len(records):
         j = _batch_end(records, i)
         try:  # the records' format before anything of them is sent
@@ -72,9 +80,10 @@ def send(journal: Any) -> Delivery:
             if run_id is None and op != "create":
                 raise NoRunYet(f"run {journal.key} has not been created in the store yet")
             if op == "metrics":
-                _metrics(client, run_id, [m for _, r in records[i:j] for m in r["metrics"]])
+                _metrics(client, run_id, unheld([m for _, r in records[i:j] for m in r["metrics"]], held))
             else:
                 SENDERS[op](client, journal, run_id, records[i][1])
+                held = held_steps(journal) if op in ("reopen", "end") else held
         except Exception as exc:  # the store's answer decides: wait, or set the record aside
             if isinstance(exc, NoRunYet) or is_transient(exc):
                 return Delivery(sent, len(records) - i, exc)
@@ -193,10 +202,37 @@ def model_names(rec: dict, version: int) -> tuple[str, str | None]:
     return rec["model_name"], rec["registered_model_name"]
 
 
+def steps_file(journal: Any) -> Path:
+    """Where a reopened run's highest step per metric key is kept while its attempt lasts (beside its journal)."""
+    return journal.dir / f"{journal.name}.steps.json"
+
+
+def held_steps(journal: Any) -> dict[str, int]:
+    """{metric key: the highest step the run held when its attempt reopened it}; empty outside a resumed attempt."""
+    try:
+        return json.loads(steps_file(journal).read_text())["highest_steps"]
+    except FileNotFoundError:
+        return {}
+
+
+def unheld(rows: list[list], held: dict[str, int]) -> list[list]:
+    """The metric rows ``[key, value, timestamp, step]`` above the step their key held (:func:`held_steps`)."""
+    return [row for row in rows if row[0] not in held or int(row[3]) > held[row[0]]]
+
+
+def highest_steps(run: Any) -> dict[str, int]:
+    """The highest step of each metric key of ``run`` (the store's): a key's latest metric, which MLflow's stores keep
+    as the one of the highest (step, timestamp, value) (SqlAlchemyStore._update_latest_metrics_if_necessary,
+    FileStore._get_metric_from_file), so one get_run says it for every key, whatever the run's length."""
+    return {m.key: int(m.step) for m in run.data.to_proto().metrics}
+
+
 def _reopen(client: Any, journal: Any, run_id: str, rec: dict) -> None:
+    """The run RUNNING again, its attempts counted, and what it holds of each metric kept (:func:`held_steps`)."""
     from mlflow.entities import RunStatus
 
     run = client.get_run(run_id)
+    atomic_write_json(steps_file(journal), {"run_id": run_id, "highest_steps": highest_steps(run)})
     attempts = max(int(run.data.tags.get("ddpipe.attempts", "1")), int(rec.get("attempt", 0)) - 1) + 1
     client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
     client.set_tag(run_id, "ddpipe.attempts", str(attempts))
@@ -206,6 +242,7 @@ def _reopen(client: Any, journal: Any, run_id: str, rec: dict) -> None:
 def _end(client: Any, journal: Any, run_id: str, rec: dict) -> None:
     client.set_tag(run_id, "ddpipe.end_reason", rec["reason"])
     client.set_terminated(run_id, rec["status"], end_time=rec["time"])
+    steps_file(journal).unlink(missing_ok=True)  # what follows (the evaluate stage's) is no resumed attempt's
 
 
 def _close_orphan(client: Any, journal: Any, run_id: str, rec: dict) -> None:
@@ -217,9 +254,9 @@ def _close_orphan(client: Any, journal: Any, run_id: str, rec: dict) -> None:
 
 
 def _champion(client: Any, journal: Any, run_id: str, rec: dict) -> None:
-    from ddpipe.tracking.champion import record_and_promote
+    from ddpipe.tracking.champion import record_test
 
-    record_and_promote(client, run_id, rec)
+    record_test(client, run_id, rec)
 
 
 def _export(client: Any, journal: Any, run_id: str, rec: dict) -> None:

@@ -11,7 +11,10 @@ experiment) turns tracking off with one warning. It records; it writes none of t
 A run's status says how it ended: FINISHED; FAILED (an exception) or KILLED (SIGINT, or preempted by SIGTERM/
 SIGUSR1), with the reason in the tag ``ddpipe.end_reason``. A process killed outright (SIGKILL, a lost node) leaves
 its run RUNNING and a marker file in ``paths.checkpoints``: the next attempt reopens that run when it resumes the
-run's checkpoint, and otherwise closes it as FAILED, saying why. Where runs go: ``ddpipe.tracking.run_store``.
+run's checkpoint, and otherwise closes it as FAILED, saying why. A reopened run gets each metric step once: what the
+resumed attempt logs again (the steps re-run from its checkpoint, the checkpoint's last validation) is dropped at
+delivery where the store holds that key's step already (``ddpipe.tracking.delivery``), whichever host resumes. Where
+runs go: ``ddpipe.tracking.run_store``.
 """
 
 from __future__ import annotations
