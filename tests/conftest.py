@@ -66,6 +66,8 @@ def tiny_overrides(tmp: Path) -> list[str]:
         "mlflow.log_model=false",
         # one thread: the same arithmetic whatever else trains on the host (make test runs a test file per core)
         "distributed.threads_per_process=1",
+        # auto by the fixed table: the same network, batch and layout on every CPU (tests/test_autotune.py measures)
+        "train.auto_by=table",
     ]
 
 
@@ -498,7 +500,7 @@ CLONE_ENV = {**GIT_ENV, "MLFLOW_TRACKING_URI": "", "SHELL": "/bin/sh"}
 # the INT8 check's 1-point bound stays clear of the noise of a 2-epoch model's near-ties, over 3 standard deviations).
 CLONE_PARAMS = {"data.max_train_samples": 1024, "data.val_fraction": 0.02, "data.max_test_samples": 3000,
                 "model.width": 8, "num_epochs": 2, "train.batch_size_per_rank": 64, "train.progress_bar": False,
-                "distributed.threads_per_process": 1,
+                "distributed.threads_per_process": 1, "train.auto_by": "table",  # as tiny_overrides
                 # no test of a clone reads the export's latencies: none are timed (test_export times them)
                 "export.latency_runs": 0, "export.calibration_images": 64,
                 # nor a logged model (the trained one, the export's model_onnx): a test that does sets it back

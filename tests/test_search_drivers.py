@@ -401,15 +401,17 @@ import json, math, os, sys
 from ddpipe.core.ranks import DistInfo
 from ddpipe.engine.meters import EpochStats
 from ddpipe.core.environment import TRIAL_ENV
-from ddpipe.engine.pruning import SearchTrial, validation_number
+from ddpipe.engine.pruning import SearchTrial, after_training, validation_number
 spec = json.loads(os.environ[TRIAL_ENV])
 trial = SearchTrial(spec, DistInfo())
 quality = 1.0 - abs(math.log10(trial.trial.params["train.base_lr"]) + 2.0) / 3.0
+history = []
 for epoch in range(1, 10):
     acc = quality * (1.0 - 0.5 ** epoch)
-    stats = EpochStats(epoch, 1 - acc, acc, 1 - acc, acc, 0.01, 1.0, 1.0)
-    if trial.should_stop(stats.logged(), validation_number(epoch, 0, 10, 0, 9), None):
+    history.append(EpochStats(epoch, 1 - acc, acc, 1 - acc, acc, 0.01, 1.0, 1.0))
+    if trial.should_stop(history[-1].logged(), validation_number(epoch, 0, 10, 0, 9), None):
         sys.exit(1)
+after_training(DistInfo(), history, 9, "raw")  # the value of the model it hands on, as the training's end tells it
 """
 
 # The same, 3 epochs of 10 steps validated after step 5 too (train.val_every_n_steps=5): the pruner's steps are the
@@ -426,6 +428,7 @@ for epoch in range(1, 4):
         acc = quality * (1.0 - 0.5 ** epoch) + (0.2 if step else 0.0)
         if trial.should_stop({"val_accuracy": acc}, validation_number(epoch, step, 10, 5, 3), None):
             sys.exit(1)
+trial.trial.set_user_attr("exported", {"epoch": 3, "weights": "raw", "value": acc})  # as the training's end tells it
 """
 
 
@@ -568,6 +571,7 @@ if lr > 0.3:
         trial.set_user_attr(key, value)
     sys.exit(1)
 trial.report(-abs(math.log10(lr) + 2.0), 1)
+trial.set_user_attr("exported", {"epoch": 1, "weights": "raw", "value": -abs(math.log10(lr) + 2.0)})
 """
 
 

@@ -209,8 +209,9 @@ def test_a_sweep_of_three_at_once_one_on_two_nodes_with_their_evaluations(server
                                                                           prepared: Path) -> None:
     """Three trainings at once against the PostgreSQL-backed server, one of them a two-node job (two torchrun agents,
     c10d on this host), then their three evaluate stages at once: every metric of every run there, once, and
-    each run FINISHED under one sweep parent; the better registered version holds the alias, served by alias from
-    another directory with only the server's address and credentials."""
+    each run FINISHED under one sweep parent; the version of the best validation accuracy holds the alias (three
+    exports deciding at once through the server), served by alias from another directory with only the server's
+    address and credentials."""
     env = server.as_user("writer", WRITER_PW)
     procs, dirs = [], []
     for i in range(3):  # 4 launchers at once (it was 4 trainings, 2 of them on 2 nodes: 6 launchers on 2 cores)
@@ -235,7 +236,10 @@ def test_a_sweep_of_three_at_once_one_on_two_nodes_with_their_evaluations(server
                               text=True) for d in dirs]
     outs = [p.communicate(timeout=600)[0] for p in evals]
     assert all(p.returncode == 0 for p in evals), "\n".join(o[-3000:] for o in outs)
+    # the test's veto set aside (a 2-epoch, width-8 network's test and validation figures part by more than its 5
+    # points here: tests/test_champion.py tests the veto); the three decide at once through the server's lock
     exports = [subprocess.Popen(["python", "stages/export.py", *args_for(d, prepared, *TEAM, "export.int8=false",
+                                                                         "mlflow.champion_max_test_drop=1.0",
                                                                          *LIGHT_EXPORT)],
                                 cwd=ROOT, env=subprocess_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True) for d in dirs]  # the alias moves here, once a version's exports passed
@@ -261,9 +265,10 @@ def test_a_sweep_of_three_at_once_one_on_two_nodes_with_their_evaluations(server
     versions = client.search_model_versions("name = 'team-classifier'")
     assert sorted(v.run_id for v in versions) == sorted(ids)
     assert all(v.tags["export_passed"] == "true" for v in versions)
-    best = max(versions, key=lambda v: float(v.tags["test_accuracy"]))
+    best = max(versions, key=lambda v: (float(v.tags["model_val_accuracy"]), -int(v.version)))  # by validation
     holder = client.get_model_version_by_alias("team-classifier", "champion")
-    assert float(holder.tags["test_accuracy"]) == float(best.tags["test_accuracy"])
+    assert holder.version == best.version, [(v.version, v.tags) for v in versions]
+    assert not client.search_registered_models("name LIKE 'ddpipe-lock.%'")  # every decision let go of the lock
     assert "team-classifier@champion" in text
     _serve_by_alias(server, tmp_path, prepared, dirs[ids.index(holder.run_id)])
 

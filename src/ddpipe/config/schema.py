@@ -210,6 +210,11 @@ class TrainConfig:
         "auto", "Memory format for conv nets: auto (on for CPU and for CUDA with bf16/fp16), on, off.",
         choices=("auto", "on", "off"),
     )
+    auto_by: str = param(
+        "measured", "How auto picks the network, its batch, the precision and the memory format on a CPU: measured "
+        "(a few seconds of each candidate, once per machine kind, cached under ~/.cache/ddpipe/auto; "
+        "docs/training.md) or table (fixed per device kind). Explicit values always win.",
+        choices=("measured", "table"), trajectory=False)
     compile: bool = param(False, "Wrap the model in torch.compile.")
     deterministic: bool = param(
         False, "CUDA: true = the same weights from the same seed, run after run (deterministic algorithms and "

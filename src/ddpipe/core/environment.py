@@ -35,3 +35,7 @@ REPO_ROOT_ENV = "DDPIPE_REPO_ROOT"
 # workspace), attempt (the driver's count), stage (the one stage a trial runs) and held_out (the evaluate and export
 # stages' tracked files, kept out of its experiment)); read by ddpipe.engine.pruning.
 TRIAL_ENV = "DDPIPE_SEARCH_TRIAL"
+
+# What `auto` became on this machine kind (JSON of ddpipe.engine.autotune.Choice), measured or read from its cache by
+# the launcher and handed to the workers it starts, which resolve their run with it.
+AUTO_CHOICE_ENV = "DDPIPE_AUTO_CHOICE"

@@ -26,6 +26,7 @@ from ddpipe.core.ranks import DistInfo
 from ddpipe.distributed import group as dd
 from ddpipe.distributed.host_leases import HostShare
 from ddpipe.distributed.preemption import StopRequests, follow_launcher
+from ddpipe.engine import autotune
 from ddpipe.engine.checkpoint import Position
 from ddpipe.engine.ema import WeightAverage
 from ddpipe.engine.meters import EpochMeter, EpochProgress, EpochStats, final_metrics, measure_split
@@ -37,7 +38,7 @@ from ddpipe.engine.pruning import after_stop as search_trial_after_stop
 from ddpipe.engine.pruning import after_training as search_trial_after_training
 from ddpipe.engine.pruning import after_validation as search_trial_after_validation
 from ddpipe.engine.pruning import validation_number
-from ddpipe.engine.resolved import Resolved
+from ddpipe.engine.resolved import Resolved, resolve
 from ddpipe.engine.stage_outputs import TrainingOutputs, hold_training, run_markers, save_outputs, write_progress
 from ddpipe.tracking.system_metrics import NoSystemMetrics, monitor_node
 
@@ -340,6 +341,15 @@ def describe(run: Resolved, info: DistInfo, compute: PrecisionPolicy, effective_
             f"at {derived['input_size']}{' (model.name auto: ' + run.device_kind + ')' if run.model_was_auto else ''}")
 
 
+def agreed_auto(run: Resolved, info: DistInfo) -> Resolved:
+    """``run`` with global rank 0's measured ``auto`` (ddpipe.engine.autotune) on every rank, said where it differs."""
+    if run.auto is None or not info.distributed or (mine := run.auto.to_json()) == (
+            chosen := dd.broadcast_object(mine, info)):
+        return run
+    print(f"rank {info.rank}: auto as global rank 0 measured it, not as this node did", file=sys.stderr, flush=True)
+    return resolve(run.cfg, run.device, run.meta, autotune.Choice.from_json(chosen))
+
+
 def in_steps(loader: Iterable[tuple], accum: int) -> Iterator[list[tuple]]:
     """The loader's micro-batches, ``accum`` at a time: one list per optimizer step."""
     batches = iter(loader)
@@ -356,6 +366,7 @@ def train(run: Resolved) -> dict[str, float]:
     cfg = run.cfg
     follow_launcher(f"rank {os.environ.get('RANK', '0')}")  # a worker whose launcher dies stops as if preempted
     info = dd.init_distributed(cfg.distributed, run.backend)
+    run = agreed_auto(run, info)
     trainer = hold = None
     try:
         hold = hold_training(cfg, info)  # before anything is written: InUse if another training writes here

@@ -28,6 +28,7 @@ from ddpipe.data.encoding import SMALL_IMAGE_SIDE
 from ddpipe.data.loaders import TrainingData, Views
 from ddpipe.data.store import Prepared, load_meta
 from ddpipe.data.transforms import IMAGENET_CROP_RATIO
+from ddpipe.engine.autotune import Ask, Choice, choose
 from ddpipe.models.catalog import RENAMED
 
 # What ``model.name: auto`` and ``train.batch_size_per_rank: auto`` become, by device (BENCHMARKS.md,
@@ -96,6 +97,7 @@ class Resolved:
     channels_last: bool
     backend: str  # nccl | gloo
     freeze_body_epochs: int | None  # None: the body stays frozen for good
+    auto: Choice | None = None  # what `auto` measured on this machine kind (train.auto_by: measured), or None
 
     @property
     def model(self) -> ModelConfig:
@@ -151,9 +153,12 @@ class Resolved:
 
     def params(self) -> dict[str, Any]:
         """Every config key flattened, with the values ``auto`` took: what the run records as its params."""
+        measured = {"auto_key": self.auto.key, "auto_source": self.auto.source,  # why it chose what it chose
+                    "auto_table": "; ".join(f"{label}: {rate:.0f}/s" for label, rate in self.auto.table)[:6000]} \
+            if self.auto else {}
         return {**flatten(self.cfg), "model.name": self.model_name,
                 "train.batch_size_per_rank": self.batch_size_per_rank,
-                "train.eval_batch_size_per_rank": self.eval_batch_size_per_rank, **self._recipe()}
+                "train.eval_batch_size_per_rank": self.eval_batch_size_per_rank, **self._recipe(), **measured}
 
     def _recipe(self, fingerprint: bool = False) -> dict[str, Any]:
         """The recipe's keys as this run resolved them (:data:`RECIPE_PRESETS`). For the fingerprint, an evaluation
@@ -166,23 +171,27 @@ class Resolved:
         """The keys that shape the training trajectory (``ddpipe.config.keys.trajectory``) with the network
         resolved: what a checkpoint's fingerprint covers (``ddpipe.engine.checkpoint.run_fingerprint``)."""
         keys = {**trajectory(self.cfg), "model.name": self.model_name, **self._recipe(fingerprint=True)}
+        if self.auto is not None:  # a measured choice may differ once re-measured: the values it took, not `auto`
+            keys.update({"train.batch_size_per_rank": self.batch_size_per_rank, "train.precision": self.precision})
         if self.model_name in RENAMED:  # torchvision's network now, not the small-stem one of older checkpoints
             keys["model.torchvision_stem"] = True
         return keys
 
 
-def resolve(cfg: Config, device: torch.device, meta: Prepared | None = None) -> Resolved:
+def resolve(cfg: Config, device: torch.device, meta: Prepared | None = None, choice: Choice | None = None) -> Resolved:
     """``cfg`` for ``device`` and the data ``meta`` describes (by default ``paths.prepared``'s meta.json:
     PreparedDataError if it cannot be read); ConfigError for a value this device cannot run (fp16 or nccl without
     CUDA, exact mode on CUDA) or a ``data.image_size`` the prepared data cannot give. The job's processes and nodes
-    are the launcher's to resolve (:func:`resolve_job`): a worker is one of them."""
+    are the launcher's to resolve (:func:`resolve_job`): a worker is one of them. ``choice``: what ``auto`` measured
+    here (:func:`measured_choice`), taken by every key left ``auto``; else the fixed table."""
     meta = load_meta(cfg.paths.prepared) if meta is None else meta
     size = input_size(meta, cfg.data.image_size)
     preset = RECIPE_PRESETS[meta.encoding]
     crop_ratio = preset.eval_crop_ratio if cfg.data.eval_crop_ratio == "auto" else float(cfg.data.eval_crop_ratio)
-    name, batch = auto_choice(device, size[0])
+    name, batch = (choice.model_name, choice.batch_size_per_rank) if choice else auto_choice(device, size[0])
     tc, d = cfg.train, cfg.distributed
-    precision = resolve_precision(tc.precision, device)
+    precision = choice.precision if choice and tc.precision == "auto" else resolve_precision(tc.precision, device)
+    batch = batch if tc.batch_size_per_rank == "auto" else int(tc.batch_size_per_rank)
     if d.backend == "nccl" and device.type != "cuda":
         raise ConfigError("distributed.backend = 'nccl' needs CUDA GPUs; accepted here: auto or gloo")
     if d.exact and device.type != "cpu":
@@ -194,11 +203,30 @@ def resolve(cfg: Config, device: torch.device, meta: Prepared | None = None) -> 
         eval_size=eval_input_size(meta, cfg.data.eval_image_size, crop_ratio, size, preset),
         eval_crop_ratio=crop_ratio,
         min_crop_scale=preset.min_crop_scale if tc.min_crop_scale == "auto" else float(tc.min_crop_scale),
-        batch_size_per_rank=batch if tc.batch_size_per_rank == "auto" else int(tc.batch_size_per_rank),
-        eval_batch_size_per_rank=eval_batch_size(tc, device, size[0]), precision=precision,
-        channels_last=use_channels_last(tc.channels_last, device, precision),
+        batch_size_per_rank=batch, eval_batch_size_per_rank=eval_batch_size(tc, device, size[0], batch),
+        precision=precision, channels_last=choice.channels_last if choice and tc.channels_last == "auto" else
+        use_channels_last(tc.channels_last, device, precision),
         backend=d.backend if d.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo"),
-        freeze_body_epochs=None if tc.freeze_body_epochs == "all" else int(tc.freeze_body_epochs))
+        freeze_body_epochs=None if tc.freeze_body_epochs == "all" else int(tc.freeze_body_epochs), auto=choice)
+
+
+def measured_choice(cfg: Config, device: torch.device, meta: Prepared | None = None) -> Choice | None:
+    """What ``auto`` becomes on this machine kind by measuring (:mod:`ddpipe.engine.autotune`: its cache, or a few
+    seconds of each candidate now): on a CPU with ``train.auto_by: measured`` when any of the keys it picks is
+    ``auto``; else None (the fixed table)."""
+    tc, d = cfg.train, cfg.distributed
+    picks = (cfg.model.name, tc.batch_size_per_rank, tc.precision, tc.channels_last)
+    if device.type != "cpu" or tc.auto_by != "measured" or "auto" not in picks:
+        return None
+    meta = load_meta(cfg.paths.prepared) if meta is None else meta
+    side = input_size(meta, cfg.data.image_size)[0]
+    precision = None if tc.precision == "auto" else resolve_precision(tc.precision, device)
+    return choose(Ask(network=None if cfg.model.name == "auto" else cfg.model.name, model=cfg.model,
+                      channels=meta.num_channels, classes=len(meta.classes), side=side,
+                      large=side > SMALL_IMAGE_SIDE, precision=precision,
+                      batch_size_per_rank=None if tc.batch_size_per_rank == "auto" else int(tc.batch_size_per_rank),
+                      channels_last=None if tc.channels_last == "auto" else tc.channels_last == "on",
+                      nproc=None if d.nproc_per_node == "auto" else int(d.nproc_per_node)))
 
 
 def device_kind(device: torch.device) -> str:
@@ -249,10 +277,13 @@ def eval_input_size(meta: Prepared, eval_image_size: str | None, crop_ratio: flo
     return size
 
 
-def eval_batch_size(cfg: TrainConfig, device: torch.device, side: int) -> int:
-    """``train.eval_batch_size_per_rank`` for ``device``: auto is twice the training batch (itself auto or not)."""
+def eval_batch_size(cfg: TrainConfig, device: torch.device, side: int, train_batch: int | None = None) -> int:
+    """``train.eval_batch_size_per_rank`` for ``device``: auto is twice the training batch (``train_batch``, the
+    training's resolved; else itself auto, by the table, or not)."""
     if cfg.eval_batch_size_per_rank != "auto":
         return int(cfg.eval_batch_size_per_rank)
+    if train_batch is not None:
+        return 2 * train_batch
     requested = cfg.batch_size_per_rank
     return 2 * (auto_choice(device, side)[1] if requested == "auto" else int(requested))
 
@@ -314,7 +345,8 @@ class Job:
 def resolve_job(d: DistributedConfig) -> Job:
     """Processes on this node and the job's nodes. ``auto``: one process per visible GPU; on a CPU-only machine
     one process that uses every core as intra-op threads, which measured faster than one single-thread process
-    per core (BENCHMARKS.md, "DDP overhead"). An int is refused above the GPUs (CUDA) or cores (CPU)."""
+    per core (BENCHMARKS.md, "DDP overhead" and "`auto` by measuring"). An int is refused above the GPUs (CUDA) or
+    cores (CPU)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     nodes = [int(n) for n in d.nnodes.split(":")]  # N or MIN:MAX, checked by the config's checks
     if d.nproc_per_node == "auto":

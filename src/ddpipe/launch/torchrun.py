@@ -46,9 +46,10 @@ from ddpipe.data.store import PreparedDataError
 from ddpipe.distributed.host_leases import GpuLease, visible_gpus
 from ddpipe.distributed.preemption import FOLLOW_EVERY_S, launcher_env
 from ddpipe.engine.assembly import build_network
+from ddpipe.engine.autotune import Choice, hand_over, handed_over
 from ddpipe.engine.checkpoint import check_checkpoint_place
 from ddpipe.engine.pruning import trial_config
-from ddpipe.engine.resolved import Job, Resolved, resolve, resolve_job
+from ddpipe.engine.resolved import Job, Resolved, measured_choice, resolve, resolve_job
 from ddpipe.engine.stage_outputs import anchored_checkpoints, claim_training
 from ddpipe.models.catalog import RENAMED, module_file
 from ddpipe.tracking.access import check_access
@@ -117,13 +118,13 @@ def this_device() -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
-def preflight(cfg: Config, world_size: int) -> Resolved:
+def preflight(cfg: Config, world_size: int, choice: Choice | None = None) -> Resolved:
     """Every check that needs this node's devices, the prepared data or the network, for a job of ``world_size``
     processes, run before torchrun starts any worker (workers it started skip them: :data:`CHECKED_ENV`); the run
     resolved for this node. The network is built once here, with its pretrained
     weights (a torchvision name is downloaded into torch hub's cache here, once, not by every worker), so a wrong
-    name, keyword or weights file fails now."""
-    run = resolve(cfg, this_device())
+    name, keyword or weights file fails now. ``choice``: what ``auto`` measured here (measured now when not given)."""
+    run = resolve(cfg, this_device(), choice=choice or measured_choice(cfg, this_device()))
     build_network(run)
     note_network(run)
     run.check_world_size(world_size)
@@ -155,7 +156,7 @@ def worker_config(cfg: Config, world_size: int) -> Resolved:
     cfg = anchored_checkpoints(trial_config(cfg))
     if not os.environ.get(CHECKED_ENV):
         return preflight(cfg, world_size)
-    run = resolve(cfg, this_device())
+    run = resolve(cfg, this_device(), choice=handed_over())  # what `auto` measured, the launcher's
     run.check_world_size(world_size)
     return run
 
@@ -171,12 +172,13 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError(f"distributed.rdzv_endpoint = '' is not accepted with distributed.nnodes = "
                               f"{cfg.distributed.nnodes!r}: every node needs host:port of the first node's rendezvous "
                               "(deploy/ sets it; ddpipe cluster submit sets it for queued experiments)")
+        choice = measured_choice(cfg, this_device())  # `auto` measured on this machine kind, or read from its cache
         job = resolve_job(cfg.distributed)
-        preflight(cfg, job.max_world_size)
+        preflight(cfg, job.max_world_size, choice)
         check_checkpoint_place(cfg.paths.checkpoints)  # a store that is down, refuses the keys or lacks the bucket
         if note := check_access(cfg.mlflow):  # a server that refuses this user: before anything is written
             print(note, file=sys.stderr, flush=True)
-    env = {**os.environ, CHECKED_ENV: "1", **launcher_env()}  # the workers follow this process (preemption)
+    env = {**os.environ, CHECKED_ENV: "1", **launcher_env(), **hand_over(choice)}  # they follow this process
     if on_every_node and cfg.distributed.nnodes != "1" and "--print" not in argv:
         # a cluster job's train stage runs on its first node: one launcher per node, each checks its own node
         print(" ".join(on_every_node), flush=True)
