@@ -86,7 +86,7 @@ def test_on_a_gpu_host_the_launcher_runs_torchrun_on_the_gpus_it_leased(
     monkeypatch.setattr("torch.cuda.device_count", lambda: 8)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     checked, ran = [], []
-    monkeypatch.setattr(launch, "preflight", lambda cfg, world_size: checked.append(world_size))
+    monkeypatch.setattr(launch, "preflight", lambda cfg, world_size, choice=None: checked.append(world_size))
     monkeypatch.setattr(launch, "supervise", lambda cmd, env=None: ran.append((cmd, env)) or 0)
     registry = tmp_path / "gpus"
     monkeypatch.setattr(launch, "GpuLease", lambda gpus, count: GpuLease(gpus, count, registry, lambda: 2))
