@@ -15,8 +15,10 @@ Rows:
   the arithmetic and memory format differ.
 - **ddpipe's train stage**: ``python -m ddpipe.launch`` on a generated class-per-folder image set (bench/imageset.py:
   JPEGs and PNGs of 160-500 px) prepared at 224 px, ``model.name=resnet50``, the rest from params.yaml (precision and
-  channels_last ``auto``: bf16 and channels_last on CUDA): JPEG decoding, random-resized crops and flips in the
-  loader's worker processes, pinned copies. Its second epoch's images/s (the first one times cuDNN's algorithms)
+  channels_last ``auto``: bf16 and channels_last on CUDA), twice: JPEGs decoded on the GPU a batch at a time
+  (``data.decode_on: device``, auto's choice on CUDA: one worker reads the files into pinned memory, nvJPEG decodes,
+  the crops and flips follow on the GPU) and in the loader's worker processes (``workers``: libjpeg-turbo, crops and
+  flips per image, pinned copies). Each one's second epoch's images/s (the first one times cuDNN's algorithms)
   against the model alone in the same arithmetic: the share of the GPU the loader keeps fed (want >= 90%).
 """
 
@@ -44,7 +46,10 @@ ROWS = {
     "bf16, channels_last, deterministic": ("bf16", True, False, True),
     "torchvision reference step (--amp: fp16 + GradScaler)": ("fp16-scaler", False, False, False),
 }
-STAGE_ROW = "ddpipe train stage: loader + model, bf16, channels_last (auto)"
+STAGE_ROWS = {  # data.decode_on -> the row's name
+    "device": "ddpipe train stage: loader + model, bf16, channels_last, JPEGs decoded on the GPU (auto)",
+    "workers": "ddpipe train stage: loader + model, bf16, channels_last, JPEGs decoded in the loader's workers",
+}
 SAME_ARITHMETIC = "bf16, channels_last"  # the model-alone row the train stage is compared with
 
 
@@ -110,8 +115,10 @@ def synthetic(batch: int, steps: int, warmup: int) -> list[dict]:
     return rows
 
 
-def train_stage(images: int, batch: int) -> dict:
-    """The launcher's two epochs of resnet50 on the generated folder at 224 px; the second epoch's images/s."""
+def train_stage(images: int, batch: int) -> list[dict]:
+    """The launcher's two epochs of resnet50 on the generated folder at 224 px, once for each place images are
+    decoded (``data.decode_on``); each one's second epoch's images/s."""
+    rows = []
     with temp_dir("ddpipe-gpu-") as tmp:
         tmp = Path(tmp)
         t0 = time.perf_counter()
@@ -121,18 +128,22 @@ def train_stage(images: int, batch: int) -> dict:
                 "data.val_fraction=0.05", "data.test_fraction=0.05", f"paths.prepared={tmp / 'prepared'}",
                 f"paths.raw={tmp / 'raw'}"]
         prepare_s = run_timed([sys.executable, "stages/prepare.py", *data], env=_env())
-        keys = [*data, "model.name=resnet50", f"train.batch_size_per_rank={batch}", "num_epochs=2",
-                "train.progress_bar=false", "mlflow.log_model=false", "mlflow.log_system_metrics=false",
-                f"mlflow.tracking_uri=sqlite:///{tmp}/mlflow.db", f"mlflow.outbox={tmp}/outbox",
-                *(f"paths.{k}={tmp}/{v}" for k, v in (
-                    ("checkpoints", "ckpt"), ("model", "model.pt"), ("run_info", "run.json"),
-                    ("train_metrics", "train.json"), ("history", "history.csv")))]
-        train_s = run_timed([sys.executable, "-m", "ddpipe.launch", *keys], env=_env())
-        with (tmp / "history.csv").open() as f:
-            epochs = list(csv.DictReader(f))
-        return {"row": STAGE_ROW, "images_per_s": float(epochs[-1]["images_per_s"]),
-                "first_epoch_images_per_s": float(epochs[0]["images_per_s"]), "batch": batch, "images": images,
-                "generate_s": generated, "prepare_s": prepare_s, "train_s": train_s}
+        for where, row in STAGE_ROWS.items():
+            run = tmp / where
+            keys = [*data, "model.name=resnet50", f"train.batch_size_per_rank={batch}", "num_epochs=2",
+                    f"data.decode_on={where}", "train.progress_bar=false", "mlflow.log_model=false",
+                    "mlflow.log_system_metrics=false", f"mlflow.tracking_uri=sqlite:///{run}/mlflow.db",
+                    f"mlflow.outbox={run}/outbox",
+                    *(f"paths.{k}={run}/{v}" for k, v in (
+                        ("checkpoints", "ckpt"), ("model", "model.pt"), ("run_info", "run.json"),
+                        ("train_metrics", "train.json"), ("history", "history.csv")))]
+            train_s = run_timed([sys.executable, "-m", "ddpipe.launch", *keys], env=_env())
+            with (run / "history.csv").open() as f:
+                epochs = list(csv.DictReader(f))
+            rows.append({"row": row, "images_per_s": float(epochs[-1]["images_per_s"]),
+                         "first_epoch_images_per_s": float(epochs[0]["images_per_s"]), "batch": batch,
+                         "images": images, "generate_s": generated, "prepare_s": prepare_s, "train_s": train_s})
+    return rows
 
 
 def _env() -> dict[str, str]:
@@ -155,8 +166,9 @@ def main() -> None:
     print_machine()
     rows = [] if args.only == "stage" else synthetic(args.batch, args.steps, args.warmup)
     if args.only != "synthetic":
-        rows.append(train_stage(args.images, args.batch))
-        print(f"{STAGE_ROW}: {rows[-1]['images_per_s']:.0f} images/s", flush=True)
+        for row in train_stage(args.images, args.batch):
+            rows.append(row)
+            print(f"{row['row']}: {row['images_per_s']:.0f} images/s", flush=True)
     alone = next((r["images_per_s"] for r in rows if r["row"] == SAME_ARITHMETIC and "images_per_s" in r), None)
     table = [[r["row"], f"{r['images_per_s']:.0f}" if "images_per_s" in r else r["error"],
               f"{r['peak_gib']:.1f}" if "peak_gib" in r else "",

@@ -255,7 +255,7 @@ def test_trajectory_leaves_out_exactly_the_keys_a_run_may_resume_across() -> Non
         "distributed.rdzv_endpoint", "distributed.rdzv_id", "distributed.shutdown_timeout_s",
         "distributed.shared_memory", "train.progress_bar", "train.log_every_n_steps", "train.val_every_n_steps",
         "train.checkpoint_every_steps", "train.keep_checkpoints",
-        "train.eval_batch_size_per_rank", "train.model_epoch", "data.num_workers", "train.auto_by",
+        "train.eval_batch_size_per_rank", "train.model_epoch", "data.num_workers", "data.decode_on", "train.auto_by",
         "data.max_test_samples"}  # the test split: no training reads it
     expected = {k: v for k, v in flat.items() if k not in resumable}
     assert trajectory(cfg) == expected and list(trajectory(cfg)) == list(expected)

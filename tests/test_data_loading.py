@@ -17,7 +17,7 @@ from ddpipe.config.schema import ConfigError
 from ddpipe.core.devices import PrecisionPolicy
 from ddpipe.data.loaders import BatchKey, Splits, TrainingData, TrainOrder, eval_batches, real_sample_mask
 from ddpipe.data.store import load_meta
-from ddpipe.data.transforms import BatchTransform, EvalCrop, TrainCrop, decode
+from ddpipe.data.transforms import BatchTransform, EncodedBatch, EvalCrop, TrainCrop, decode
 from ddpipe.engine.resolved import RECIPE_PRESETS, eval_input_size, input_size, resolve
 from tests.conftest import prepare_generated_folder
 
@@ -97,11 +97,49 @@ def encoded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return prepare_generated_folder(tmp_path_factory.mktemp("enc"), 90, 0.2)
 
 
-def _data(prepared: Path, workers: int, rank: int = 0, world: int = 1, batch: int = 8) -> TrainingData:
+def _data(prepared: Path, workers: int, rank: int = 0, world: int = 1, batch: int = 8, *extra: str) -> TrainingData:
     cfg = load_config([f"paths.prepared={prepared}", "data.image_size=48", "seed=4",
-                       f"train.batch_size_per_rank={batch}"], params_file=None)
+                       f"train.batch_size_per_rank={batch}", *extra], params_file=None)
     return resolve(cfg, CPU).training_data(load_meta(prepared), PrecisionPolicy(CPU, "fp32", False), rank=rank,
                              world_size=world, num_workers=workers)
+
+
+@pytest.mark.parametrize("policy", [[], ["train.auto_augment=trivialaugment", "train.random_erasing=0.5"]])
+def test_images_decoded_on_the_device_are_the_workers_images(encoded: Path, policy: list[str]) -> None:
+    """data.decode_on=device: the loader hands over the files undecoded with each one's crop, flip and keys; on
+    the device (here the CPU) they become the very batches the workers make, policy and all, for training and
+    validation, read in the training process or in a worker."""
+    workers = _data(encoded, 1, 0, 1, 8, *policy)
+    later, later_read_ahead = (_data(encoded, n, 0, 1, 8, "data.decode_on=device", *policy) for n in (0, 1))
+    try:
+        for epoch in (0, 1):
+            for x, y, z in zip(workers.train_batches(epoch), later.train_batches(epoch),
+                               later_read_ahead.train_batches(epoch)):
+                assert isinstance(y[0], EncodedBatch) and isinstance(z[0], EncodedBatch)
+                assert len(y[0]) == 8 and y[0].data.dtype == torch.uint8
+                assert torch.equal(y[0].to(CPU), x[0]) and torch.equal(z[0].to(CPU, non_blocking=True), x[0])
+                assert torch.equal(y[1], x[1]) and torch.equal(y[2], x[2])
+        for x, y in zip(workers.eval_batches("val", 5), later.eval_batches("val", 5)):
+            assert torch.equal(y[0].to(CPU), x[0])
+        assert torch.equal(later.examples(4), workers.examples(4))
+    finally:
+        workers.loader.close()
+        later_read_ahead.loader.close()
+
+
+def test_where_images_are_decoded_resolves_by_device(encoded: Path, prepared: Path) -> None:
+    """auto: on the device on CUDA, in the workers on a CPU; raw data has nothing to decode; the run records
+    which; decoding on the device reads ahead with one worker on CUDA and none on a CPU."""
+    cfg = load_config([f"paths.prepared={encoded}", "data.image_size=48"], params_file=None)
+    on_cpu = resolve(cfg, CPU)
+    assert not on_cpu.decode_on_device and on_cpu.params()["data.decode_on"] == "workers"
+    assert replace(on_cpu, device=torch.device("cuda")).decode_on_device
+    told = resolve(replace(cfg, data=replace(cfg.data, decode_on="device")), CPU)
+    assert told.decode_on_device and told.params()["data.decode_on"] == "device" and told.loader_workers(2) == 0
+    assert replace(told, device=torch.device("cuda")).loader_workers(8) == 1
+    assert not replace(on_cpu, device=torch.device("cuda"), meta=load_meta(prepared)).decode_on_device
+    with pytest.raises(ConfigError, match="data.decode_on"):
+        load_config(["data.decode_on=gpu"], params_file=None)
 
 
 def test_loader_workers_never_change_a_batch(encoded: Path) -> None:

@@ -139,7 +139,7 @@ def test_encoded_images_decoded_by_loader_workers_reach_the_gpu_pinned(tmp_path:
     src = generate(tmp_path / "imgs", 60, 3)
     prepare(DataConfig(dataset="imagefolder", source_dir=str(src)), 0, tmp_path / "raw", tmp_path / "p", workers=1)
     cfg = load_config([f"paths.prepared={tmp_path / 'p'}", "data.image_size=64", "seed=0",
-                       "train.batch_size_per_rank=8"], params_file=None)
+                       "train.batch_size_per_rank=8", "data.decode_on=workers"], params_file=None)
     meta = load_meta(tmp_path / "p")
     run = resolve(cfg, CUDA)
     workers = run.training_data(meta, PrecisionPolicy(CUDA, "fp32", True), rank=0, world_size=1, num_workers=2)
@@ -151,6 +151,43 @@ def test_encoded_images_decoded_by_loader_workers_reach_the_gpu_pinned(tmp_path:
             assert torch.equal(images.to(CUDA, non_blocking=True).cpu(), expected)
     finally:
         workers.loader.close()
+
+
+def test_jpegs_decoded_on_the_gpu_match_the_workers_and_train(tiny_cfg, tmp_path: Path) -> None:
+    """data.decode_on auto is the device on CUDA: the loader's one worker reads the files into pinned memory,
+    nvJPEG decodes the JPEGs of a batch at once on the GPU (PNGs on the CPU), and the crops, flips and policy
+    taken there give the workers' batches up to the decoders' rounding; a short training reads them."""
+    from bench.imageset import generate
+    from ddpipe.config.schema import DataConfig
+    from ddpipe.data.prepare import prepare
+    from ddpipe.data.transforms import EncodedBatch
+    from ddpipe.engine.loop import train
+
+    src = generate(tmp_path / "imgs", 90, 3)
+    prepare(DataConfig(dataset="imagefolder", source_dir=str(src)), 0, tmp_path / "raw", tmp_path / "p", workers=1)
+    base = [f"paths.prepared={tmp_path / 'p'}", "data.image_size=64", "seed=0", "train.batch_size_per_rank=8",
+            "train.random_erasing=0.5"]
+    meta, compute = load_meta(tmp_path / "p"), PrecisionPolicy(CUDA, "bf16", True)
+    run = resolve(load_config(base, params_file=None), CUDA)
+    assert run.decode_on_device and run.loader_workers(16) == 1
+    on_gpu = run.training_data(meta, compute, rank=0, world_size=1, num_workers=1)
+    cpu = resolve(load_config([*base, "data.decode_on=workers"], params_file=None), CUDA).training_data(
+        meta, compute, rank=0, world_size=1, num_workers=0)
+    try:
+        for (batch, labels, _), (expected, expected_labels, _) in zip(on_gpu.train_batches(0), cpu.train_batches(0)):
+            assert isinstance(batch, EncodedBatch) and batch.data.is_pinned()
+            images = batch.to(CUDA, non_blocking=True)
+            assert images.device.type == "cuda" and images.shape == expected.shape
+            diff = (images.cpu().int() - expected.int()).abs().float()
+            assert diff.mean() < 1.0 and diff.max() <= 32, (diff.mean(), diff.max())
+            assert torch.equal(labels, expected_labels)
+    finally:
+        on_gpu.loader.close()
+    cfg = tiny_cfg(*base[:-1], *NO_MLFLOW, "num_epochs=2")
+    metrics = train(resolve(cfg, CUDA))
+    assert metrics["val_loss"] == metrics["val_loss"] and metrics["val_loss"] < 10, metrics  # finite
+    weights = torch.load(cfg.paths.model, map_location="cpu", weights_only=True)["state_dict"]
+    assert all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point())
 
 
 def test_channels_last_and_bf16_on_the_gpu_match_the_plain_layout() -> None:

@@ -90,6 +90,15 @@ class DataConfig:
         "work of its own, else the rank's share of this host's cores (less one on CUDA, half on CPU, where the "
         "training threads use them too).", int_or=("auto",), ge=0, trajectory=False,
     )
+    decode_on: str = param(
+        "auto", "Encoded images in training and validation: where files are decoded, cropped and augmented. "
+        "workers: in the loader's worker processes, one image at a time (libjpeg-turbo/libpng on the CPU); device: "
+        "on the training device, a batch at a time (on CUDA, JPEGs by nvJPEG through torchvision's decode_jpeg, "
+        "PNGs on the CPU), the workers only reading the files; on a CPU the same bytes as workers. auto: device "
+        "on CUDA, else workers. Not part of the trajectory: the crops and draws are the same either way (nvJPEG's "
+        "pixels may differ from libjpeg-turbo's by rounding).", choices=("auto", "workers", "device"),
+        trajectory=False,
+    )
 
 
 @dataclass
@@ -284,8 +293,9 @@ class DistributedConfig:
     )
     threads_per_process: Optional[int] = param(
         None, "CPU threads per process (null = cores / local world size, shared with other trainings on the "
-        "host; a set value is kept, and the others share the cores it leaves); the evaluate and export stages' "
-        "threads too (null: their share of the host).", ge=1,
+        "host, or fewer where train.auto_by=measured timed fewer faster on hyperthreads or under a CPU quota; a set "
+        "value is kept, and the others share the cores it leaves); the evaluate and export stages' threads too "
+        "(null: their share of the host).", ge=1,
     )
     timeout_s: int = param(
         600, "Bound on every collective; a silent rank fails the job after this.", ge=1, trajectory=False

@@ -26,6 +26,49 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def physical_cores() -> int:
+    """The cores under :func:`cpu_count`'s logical CPUs, a core's hyperthreads counted once (sysfs' thread siblings;
+    :func:`cpu_count` where the topology cannot be read). A cloud VM's two vCPUs are often one core's two threads."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except AttributeError:  # not Linux
+        return cpu_count()
+    cores = set()
+    for cpu in cpus:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
+        except OSError:
+            return len(cpus)
+    return max(1, len(cores))
+
+
+def cpu_quota(cgroup_root: str | Path = "/sys/fs/cgroup") -> int | None:
+    """The CPUs' worth of time this process's cgroup may use (its CFS quota over its period, rounded up: a container's
+    or a Kubernetes pod's CPU limit), or None where none is set or readable. The cores :func:`cpu_count` sees may be
+    many more: threads beyond the quota wait for each other's turn at every layer."""
+    root = Path(cgroup_root)
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:  # "0::/path" (v2), "N:cpu,cpuacct:/path" or "N:cpu:/path" (v1)
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            files = [root / path.lstrip("/") / "cpu.max", root / "unified" / path.lstrip("/") / "cpu.max"]
+            for f in files:
+                with contextlib.suppress(OSError, ValueError):
+                    quota, period = f.read_text().split()[:2]
+                    if quota != "max":
+                        return max(1, -(-int(quota) // int(period)))
+        elif "cpu" in controllers.split(","):
+            base = root / controllers / path.lstrip("/")
+            with contextlib.suppress(OSError, ValueError):
+                quota = int((base / "cpu.cfs_quota_us").read_text())
+                if quota > 0:
+                    return max(1, -(-quota // int((base / "cpu.cfs_period_us").read_text())))
+    return None
+
+
 # The instruction sets a process may be held to below what its CPU has: PyTorch's own kernels by ATEN_CPU_CAPABILITY
 # (torch.backends.cpu.get_cpu_capability() then says so), oneDNN's convolutions by ONEDNN_MAX_CPU_ISA (older name:
 # DNNL_MAX_CPU_ISA). Held to AVX2, an AMX Xeon computes as an AVX2-only CPU does, and `auto` must choose as on one.

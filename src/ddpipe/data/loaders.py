@@ -30,7 +30,7 @@ from ddpipe.core.devices import PrecisionPolicy
 from ddpipe.data.augment import ImagePolicy, Mixing
 from ddpipe.data.sampling import epoch_order
 from ddpipe.data.store import EncodedSplit, Prepared, RawSplit, open_split
-from ddpipe.data.transforms import BatchTransform, EvalCrop, TrainCrop, decode
+from ddpipe.data.transforms import BatchTransform, EncodedBatch, EvalCrop, TrainCrop, centre_box, decode
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,11 @@ class Splits(Dataset):
 
     def __init__(self, prepared_dir: str | Path, meta: Prepared, names: tuple[str, ...], size: list[int],
                  train_crop: TrainCrop | None = None, policy: ImagePolicy | None = None,
-                 eval_crop: EvalCrop | None = None) -> None:
+                 eval_crop: EvalCrop | None = None, decode_later: bool = False) -> None:
         self.stored = {name: open_split(prepared_dir, name, meta) for name in names}
         self.channels, self.size, self.train_crop, self.policy = meta.num_channels, list(size), train_crop, policy
         self.eval_crop = eval_crop or EvalCrop(size[0])
+        self.decode_later = decode_later  # encoded images: batches of files, decoded on the device (EncodedBatch)
 
     def __len__(self) -> int:
         return len(next(iter(self.stored.values())))
@@ -73,7 +74,7 @@ class Splits(Dataset):
         return (images, labels, keys, *self._read(key.split, key.partners, key.partners, key.epoch), key.partners)
 
     def _read(self, name: str, indices: torch.Tensor, keys: torch.Tensor, epoch: int | None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              ) -> tuple[torch.Tensor | EncodedBatch, torch.Tensor]:
         split, idx = self.stored[name], indices.numpy()
         labels = torch.from_numpy(np.asarray(split.labels[idx]))
         if isinstance(split, RawSplit):
@@ -81,6 +82,8 @@ class Splits(Dataset):
             if epoch is not None and self.policy is not None:  # the crop and flip follow, on the device
                 for k, key in enumerate(keys.tolist()):
                     images[k] = self.policy(images[k], epoch, key)
+        elif self.decode_later:
+            return self._undecoded(split, idx, keys, epoch), labels
         else:
             size = self.size if epoch is not None else [self.eval_crop.size] * 2
             images = _batch_buffer((len(idx), self.channels, *size))
@@ -94,6 +97,26 @@ class Splits(Dataset):
             return self.eval_crop(image)
         view = self.train_crop(image, key, epoch)
         return view if self.policy is None else self.policy(view, epoch, key)
+
+    def _undecoded(self, split: EncodedSplit, idx: np.ndarray, keys: torch.Tensor, epoch: int | None
+                   ) -> EncodedBatch:
+        """The files of these samples end to end, each with the crop and flip its view takes (what
+        :meth:`_view` does, but for the decoding)."""
+        blobs = [split.blob(i) for i in idx.tolist()]
+        ends = np.cumsum([len(b) for b in blobs], dtype=np.int64)
+        data = _batch_buffer((int(ends[-1]) if len(ends) else 0,))
+        flat, start = data.numpy(), 0
+        for blob, end in zip(blobs, ends.tolist()):
+            flat[start:end], start = blob, end
+        train = epoch is not None and self.train_crop is not None
+        plans = [self.train_crop.plan(*split.size(i), key, epoch) if train  # type: ignore[union-attr,arg-type]
+                 else (centre_box(*split.size(i), self.eval_crop.ratio), False)
+                 for i, key in zip(idx.tolist(), keys.tolist())]
+        return EncodedBatch(data, torch.from_numpy(ends), torch.tensor([box for box, _ in plans], dtype=torch.long),
+                            torch.tensor([flip for _, flip in plans], dtype=torch.bool),
+                            self.train_crop.size if train else self.eval_crop.size,  # type: ignore[union-attr]
+                            self.channels, self.policy if train else None, epoch if train else None,
+                            keys if train else None)
 
 
 def _batch_buffer(shape: tuple[int, ...]) -> torch.Tensor:
@@ -228,15 +251,16 @@ class TrainingData:
 
     @classmethod
     def load(cls, cfg: Config, views: Views, batch_size_per_rank: int, meta: Prepared, compute: PrecisionPolicy, *,
-             rank: int, world_size: int, num_workers: int) -> TrainingData:
+             rank: int, world_size: int, num_workers: int, decode_on_device: bool = False) -> TrainingData:
         """``paths.prepared`` described by ``meta`` (its normalisation perhaps the pretrained weights'), read in
-        ``views`` and ``batch_size_per_rank`` and augmented as ``cfg.train`` says, onto ``compute``'s device."""
+        ``views`` and ``batch_size_per_rank`` and augmented as ``cfg.train`` says, onto ``compute``'s device
+        (encoded images decoded there with ``decode_on_device``, else in the loader's workers)."""
         size, tc = views.size, cfg.train
         raw = meta.encoding == "raw"
         crop = None if raw else TrainCrop(size[0], views.min_crop_scale, tc.hflip, cfg.seed)
         policy = ImagePolicy.from_config(tc, meta.mean, cfg.seed)
         splits = Splits(cfg.paths.prepared, meta, ("train", "val"), size, crop, policy,
-                        EvalCrop(views.eval_size[0], views.eval_crop_ratio))
+                        EvalCrop(views.eval_size[0], views.eval_crop_ratio), decode_on_device and not raw)
         transform = BatchTransform(meta.mean, meta.std, tc.random_crop_padding if raw else 0, tc.hflip and raw,
                                    cfg.seed, compute.device, compute.channels_last)
         n = meta.sizes["train"]
@@ -266,4 +290,5 @@ class TrainingData:
     def examples(self, count: int) -> torch.Tensor:
         """The first ``count`` validation images as the network sees them in evaluation (uint8)."""
         n = min(count, self.meta.sizes["val"])
-        return self.loader.splits.__getitems__(BatchKey("val", None, torch.arange(n)))[0]
+        images = self.loader.splits.__getitems__(BatchKey("val", None, torch.arange(n)))[0]
+        return images.to("cpu") if isinstance(images, EncodedBatch) else images

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ddpipe.data.augment import keyed_rng
+from ddpipe.data.augment import ImagePolicy, keyed_rng
 
 ASPECT_RANGE = (3 / 4, 4 / 3)  # the random-resized crop's aspect ratios (log-uniform)
 # ImageNet's evaluation crop, Resize(256) + CenterCrop(224): the crop's side over the shorter side. The crop of raw
@@ -80,26 +81,42 @@ class BatchTransform:
 # Encoded images, one at a time
 
 
-def decode(blob: np.ndarray, channels: int) -> torch.Tensor:
-    """A stored JPEG/PNG file (uint8 bytes) as a uint8 ``C x H x W`` tensor with ``channels`` channels
-    (libjpeg-turbo/libpng through torchvision: 1.4x PIL's JPEG decode rate here)."""
+def decode(blob: np.ndarray | torch.Tensor, channels: int) -> torch.Tensor:
+    """A stored JPEG/PNG file (uint8 bytes: a memory-mapped array, or a tensor of its own) as a uint8
+    ``C x H x W`` tensor with ``channels`` channels (libjpeg-turbo/libpng through torchvision: 1.4x PIL's JPEG
+    decode rate here)."""
     from torchvision.io import ImageReadMode, decode_image  # here: the launcher and stages need no torchvision
 
-    data = torch.from_numpy(np.array(blob, dtype=np.uint8, copy=True))  # out of the read-only memory map
+    if not isinstance(blob, torch.Tensor):
+        blob = torch.from_numpy(np.array(blob, dtype=np.uint8, copy=True))  # out of the read-only memory map
     with warnings.catch_warnings():
         # torchvision 0.29 deprecates its decoders for TorchCodec's (torch >= 2.11 only); ddpipe supports
         # torchvision 0.19-0.29, where these are the same functions
         warnings.filterwarnings("ignore", "The image decoding and encoding capabilities", DeprecationWarning)
-        return decode_image(data, mode=ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB)
+        return decode_image(blob, mode=ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB)
+
+
+def decode_jpegs_on(device: torch.device, blobs: list[torch.Tensor], channels: int) -> list[torch.Tensor]:
+    """JPEG files decoded on a CUDA ``device`` in one batched call (nvJPEG through torchvision's
+    ``decode_jpeg``), each a uint8 ``C x H x W`` tensor there."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The image decoding and encoding capabilities", DeprecationWarning)
+        return decode_jpeg(blobs, mode=ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB, device=device)
 
 
 def crop_resize(image: torch.Tensor, box: tuple[int, int, int, int], size: int) -> torch.Tensor:
     """The ``(top, left, height, width)`` box of a uint8 ``C x H x W`` image, resized (bilinear, antialiased)
-    to ``size x size``, uint8."""
+    to ``size x size``, uint8, on the image's device."""
     top, left, height, width = box
+    crop = image[None, :, top:top + height, left:left + width]
+    if image.device.type != "cpu":  # CUDA's antialiased kernel takes floating point only
+        out = F.interpolate(crop.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+        return out[0].round_().clamp_(0, 255).to(torch.uint8)
     # uint8 in channels-last order takes torch's vectorised antialiased kernel: 0.09 ms for a 224 crop of a
     # 160-500 px image against 0.16 ms through torchvision's resized_crop (AMD EPYC, one thread)
-    crop = image[None, :, top:top + height, left:left + width].contiguous(memory_format=torch.channels_last)
+    crop = crop.contiguous(memory_format=torch.channels_last)
     return F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
 
 
@@ -138,11 +155,16 @@ class TrainCrop:
     def __init__(self, size: int, min_scale: float, hflip: bool, seed: int) -> None:
         self.size, self.min_scale, self.hflip, self.seed = size, min_scale, hflip, seed
 
-    def __call__(self, image: torch.Tensor, index: int, epoch: int) -> torch.Tensor:
+    def plan(self, height: int, width: int, index: int, epoch: int) -> tuple[tuple[int, int, int, int], bool]:
+        """The crop's box in a ``height x width`` image, and whether it is flipped."""
         rng = keyed_rng(self.seed, epoch, index)
-        crop = crop_resize(image, random_resized_box(image.shape[1], image.shape[2], rng, self.min_scale),
-                           self.size)
-        return crop.flip(-1) if self.hflip and rng.random() < 0.5 else crop
+        box = random_resized_box(height, width, rng, self.min_scale)
+        return box, self.hflip and rng.random() < 0.5
+
+    def __call__(self, image: torch.Tensor, index: int, epoch: int) -> torch.Tensor:
+        box, flip = self.plan(image.shape[1], image.shape[2], index, epoch)
+        crop = crop_resize(image, box, self.size)
+        return crop.flip(-1) if flip else crop
 
 
 class EvalCrop:
@@ -154,3 +176,61 @@ class EvalCrop:
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
         return crop_resize(image, centre_box(image.shape[1], image.shape[2], self.ratio), self.size)
+
+
+JPEG_START = b"\xff\xd8\xff"
+
+
+@dataclass
+class EncodedBatch:
+    """A batch of stored files read but not decoded (``data.decode_on: device``): the files end to end in ``data``
+    (file ``k`` ends at ``ends[k]``), each one's crop box (top, left, height, width) in its decoded image and
+    flip, the side it is resized to and, for training views, the per-image policy with the epoch and sample keys
+    that key it. ``to(device)`` decodes, crops and augments on that device: the uint8 ``[B, C, size, size]``
+    batch the workers would have made (on the CPU, the same bytes: the same decoder, crop and policy)."""
+
+    data: torch.Tensor  # uint8 [total bytes]
+    ends: torch.Tensor  # int64 [B]
+    boxes: torch.Tensor  # int64 [B, 4]
+    flips: torch.Tensor  # bool [B]
+    size: int
+    channels: int
+    policy: ImagePolicy | None = None
+    epoch: int | None = None
+    keys: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def pin_memory(self) -> EncodedBatch:
+        """What DataLoader(pin_memory=True) calls: the bytes in page-locked memory, for nvJPEG's copy."""
+        return replace(self, data=self.data.pin_memory())
+
+    def files(self) -> list[torch.Tensor]:
+        starts = [0, *self.ends[:-1].tolist()]
+        return [self.data[a:b] for a, b in zip(starts, self.ends.tolist())]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> torch.Tensor:
+        device = torch.device(device)
+        files = self.files()
+        images: list[torch.Tensor | None] = [None] * len(files)
+        if device.type == "cuda":
+            jpegs = [k for k, f in enumerate(files) if bytes(f[:3].tolist()) == JPEG_START]
+            try:
+                decoded = decode_jpegs_on(device, [files[k] for k in jpegs], self.channels) if jpegs else []
+            except RuntimeError as exc:  # a file nvJPEG does not take: this batch is decoded on the CPU
+                warnings.warn(f"nvJPEG could not decode a batch ({exc}); decoding it on the CPU", stacklevel=2)
+                decoded = []
+            for k, image in zip(jpegs, decoded):
+                images[k] = image
+        out = torch.empty((len(files), self.channels, self.size, self.size), dtype=torch.uint8, device=device)
+        for k, (file, box, flip) in enumerate(zip(files, self.boxes.tolist(), self.flips.tolist())):
+            image = images[k]
+            if image is None:
+                image = decode(file, self.channels).to(device, non_blocking=non_blocking)
+            view = crop_resize(image, tuple(box), self.size)  # type: ignore[arg-type]
+            view = view.flip(-1) if flip else view
+            if self.policy is not None and self.epoch is not None and self.keys is not None:
+                view = self.policy(view, self.epoch, int(self.keys[k]))
+            out[k] = view
+        return out

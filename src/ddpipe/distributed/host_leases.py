@@ -53,6 +53,8 @@ class HostShare:
     def __enter__(self) -> HostShare:
         if self.enabled and start_time(os.getpid()) is not None:  # Linux: /proc names the process
             self.entry = _claim(self.registry, str(self.fixed or 0))
+        if self.enabled:  # from the first step: the fixed count (auto's measured one too), or this host's share
+            self.rebalance()
         return self
 
     def __exit__(self, *exc: object) -> None:

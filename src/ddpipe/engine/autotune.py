@@ -8,7 +8,12 @@ input shape, and keeps the fastest (images/s):
 - the recipes known to reach the accuracy (:data:`RECIPES`: a network and its batch, BENCHMARKS.md "Which network
   `auto` picks"), or only the network the user named;
 - each in fp32 and, where this process may run bf16 (``ddpipe.core.devices.cpu_supports_bf16``), bf16;
-- each with channels_last and without, as one process of this process's threads.
+- each with channels_last and without, as one process with a thread on each of the cores it may use;
+- the fastest of them again with fewer threads where the cores are not all there: a thread per physical core where
+  they are hyperthreads (``ddpipe.core.devices.physical_cores``: a cloud VM's two vCPUs are often one core's two
+  threads), a thread per CPU of a container's quota (``cpu_quota``); threads that wait for each other at every layer
+  may be slower than fewer. Unless ``distributed.threads_per_process`` says, the faster count (by more than
+  :data:`THREADS_MARGIN`) becomes the training's threads per process.
 
 The process layout is not among them: timed side by side without DDP, two processes of one thread looked 10% faster
 than one of two threads, and trained 35% slower (DDP's all-reduce and SyncBatchNorm's sums, which such a measurement
@@ -40,7 +45,15 @@ import torch.nn.functional as F
 
 from ddpipe import __version__
 from ddpipe.config.schema import ModelConfig
-from ddpipe.core.devices import ONEDNN_ISA_ENV, PrecisionPolicy, cpu_count, cpu_flags, cpu_supports_bf16
+from ddpipe.core.devices import (
+    ONEDNN_ISA_ENV,
+    PrecisionPolicy,
+    cpu_count,
+    cpu_flags,
+    cpu_quota,
+    cpu_supports_bf16,
+    physical_cores,
+)
 from ddpipe.core.environment import AUTO_CHOICE_ENV
 from ddpipe.core.files import atomic_write_json
 from ddpipe.core.processes import host_lock
@@ -50,21 +63,25 @@ from ddpipe.core.processes import host_lock
 # (BENCHMARKS.md, "Which network `auto` picks"). Larger inputs: ResNet-18 at 64.
 RECIPES = {"small": (("resnet_compact", 128), ("resnet_small", 256)), "large": (("resnet18", 64),)}
 WARMUP_STEPS, TIMED_STEPS = 2, 4  # per candidate: a few seconds for the whole table on two cores
-CACHE_FORMAT = 1  # the cache file's "format_version"; another one is measured again
+CACHE_FORMAT = 2  # the cache file's "format_version"; another one is measured again (1: no thread count)
+# A thread count is kept over more threads only this much faster: within it, the cores' share with other trainings
+# (ddpipe.distributed.host_leases) is worth more than a measurement's noise
+THREADS_MARGIN = 1.05
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "avx_vnni", "fma")
 
 
 @dataclass(frozen=True)
 class Choice:
     """What ``auto`` became on this machine kind: a network, its per-process batch, precision, memory format and
-    processes per node; ``key``: the machine kind's (:func:`machine_key`); ``source``: measured now (and how long it
-    took) or read from the cache file; ``table``: each candidate's images/s."""
+    threads per process (0: a thread on each core of the process's share); ``key``: the machine kind's
+    (:func:`machine_key`); ``source``: measured now (and how long it took) or read from the cache file; ``table``: each
+    candidate's images/s."""
 
     model_name: str
     batch_size_per_rank: int
     precision: str
     channels_last: bool
-    nproc: int
+    threads: int
     key: str
     source: str = ""
     table: tuple[tuple[str, float], ...] = ()
@@ -87,7 +104,7 @@ class Ask:
     batch_size_per_rank: int | None
     precision: str | None  # fp32 | bf16, or None: both where the CPU may
     channels_last: bool | None
-    nproc: int | None
+    threads: int | None  # distributed.threads_per_process, or None: measured where the cores are hyperthreads
     channels: int
     classes: int
     side: int  # the input's side, px
@@ -109,6 +126,7 @@ def machine_key(ask: Ask) -> tuple[str, dict[str, Any]]:
     cores, the versions, the instruction-set caps in force, the input and what the user fixed."""
     flags = cpu_flags()
     parts = {"cpu": _cpu_model(), "flags": [f for f in FLAGS if f in flags], "cores": cpu_count(),
+             "physical_cores": physical_cores(), "cpu_quota": cpu_quota(),
              "torch": torch.__version__, "ddpipe": __version__, "machine": platform.machine(),
              "caps": {n: os.environ.get(n, "") for n in ("ATEN_CPU_CAPABILITY", *ONEDNN_ISA_ENV)},
              "ask": {**asdict(ask), "model": asdict(ask.model)}}
@@ -159,35 +177,61 @@ def _cached(path: Path) -> Choice | None:
 
 def describe(choice: Choice) -> str:
     best = max(rate for _, rate in choice.table) if choice.table else 0.0
-    return (f"{choice.model_name}, batch {choice.batch_size_per_rank} x {choice.nproc} process(es), "
-            f"{choice.precision}, {'channels_last' if choice.channels_last else 'contiguous'} ({best:,.0f} images/s)")
+    threads = f"{choice.threads} thread(s)" if choice.threads else "a thread per core"
+    return (f"{choice.model_name}, batch {choice.batch_size_per_rank}, {choice.precision}, "
+            f"{'channels_last' if choice.channels_last else 'contiguous'}, {threads} ({best:,.0f} images/s)")
 
 
 def measure(ask: Ask, key: str) -> Choice:
-    """Time every candidate of ``ask`` as one process of this process's threads; the fastest. The process layout is
-    not measured (one process per node, as the table says, unless ``distributed.nproc_per_node`` is set): N processes
+    """Time every candidate of ``ask`` as one process with a thread per core it may use, then the fastest with the
+    fewer threads of :func:`thread_counts`; the fastest. The process layout is not
+    measured (one process per node, as the table says, unless ``distributed.nproc_per_node`` is set): N processes
     timed side by side without DDP ran 6,581 images/s here against 5,953 for one, and trained at 3,455 (DDP's
     all-reduce and SyncBatchNorm's sums are what a layout costs; BENCHMARKS.md, "`auto` by measuring")."""
+    every, *fewer = thread_counts(ask)
     table: list[tuple[str, float]] = []
-    best: tuple[float, tuple[str, int, str, bool], int] | None = None
     for cand in ask.candidates():
-        rate = images_per_s(ask, *cand)
-        table.append((f"{_label(cand)} x 1 process", rate))
-        if best is None or rate > best[0]:
-            best = (rate, cand, ask.nproc or 1)
-    assert best is not None
-    _, (name, batch, precision, channels_last), nproc = best
-    return Choice(name, batch, precision, channels_last, nproc, key, table=tuple(table))
+        table.append((_label(cand, every), images_per_s(ask, *cand, threads=every)))
+    best = max(range(len(table)), key=lambda i: table[i][1])
+    name, batch, precision, channels_last = ask.candidates()[best]
+    rate, threads = table[best][1], 0 if ask.threads is None else ask.threads
+    for count in fewer:
+        measured = images_per_s(ask, name, batch, precision, channels_last, threads=count)
+        table.append((_label((name, batch, precision, channels_last), count), measured))
+        if measured > rate * THREADS_MARGIN:
+            rate, threads = measured, count
+    return Choice(name, batch, precision, channels_last, threads, key, table=tuple(table))
 
 
-def _label(cand: tuple[str, int, str, bool]) -> str:
+def thread_counts(ask: Ask) -> list[int]:
+    """The thread counts a measurement times: the user's (``distributed.threads_per_process``), or a thread per
+    core this process may use, then fewer where the cores are not all there: a thread per physical core where
+    hyperthreads make that fewer, a thread per CPU of a cgroup's quota (a container's CPU limit)."""
+    if ask.threads is not None:
+        return [ask.threads]
+    logical = cpu_count()
+    fewer = {count for count in (physical_cores(), cpu_quota()) if count is not None and count < logical}
+    return [logical, *sorted(fewer, reverse=True)]
+
+
+def _label(cand: tuple[str, int, str, bool], threads: int) -> str:
     name, batch, precision, channels_last = cand
-    return f"{name} batch {batch} {precision} {'channels_last' if channels_last else 'contiguous'}"
+    return (f"{name} batch {batch} {precision} {'channels_last' if channels_last else 'contiguous'}, 1 process x "
+            f"{threads} thread(s)")
 
 
-def images_per_s(ask: Ask, name: str, batch: int, precision: str, channels_last: bool) -> float:
-    """Optimizer steps (SGD with momentum, cross-entropy) of ``name`` on random batches of the input's shape, timed
-    after :data:`WARMUP_STEPS`: images per second."""
+def images_per_s(ask: Ask, name: str, batch: int, precision: str, channels_last: bool, threads: int) -> float:
+    """Optimizer steps (SGD with momentum, cross-entropy) of ``name`` on random batches of the input's shape with
+    ``threads`` intra-op threads, timed after :data:`WARMUP_STEPS`: images per second."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _timed_images_per_s(ask, name, batch, precision, channels_last)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _timed_images_per_s(ask: Ask, name: str, batch: int, precision: str, channels_last: bool) -> float:
     from ddpipe.models.catalog import build_model
 
     torch.manual_seed(0)

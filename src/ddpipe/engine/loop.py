@@ -372,7 +372,7 @@ def train(run: Resolved) -> dict[str, float]:
         hold = hold_training(cfg, info)  # before anything is written: InUse if another training writes here
         info = dd.open_host_sums(cfg.distributed, info)  # shared memory where distributed.shared_memory allows
         run.check_world_size(info.world_size)  # the job formed: an epoch has an optimizer step at its size
-        share = HostShare(cfg.distributed.threads_per_process, info.processes_on_host, info.device.type == "cpu")
+        share = HostShare(run.threads_per_process, info.processes_on_host, info.device.type == "cpu")
         with StopRequests(info, cfg.distributed.timeout_s) as stops, share:
             trainer = Trainer(build_parts(run, info, stops, share))
             return trainer.fit()

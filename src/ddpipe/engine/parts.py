@@ -66,7 +66,7 @@ def build_parts(run: Resolved, info: DistInfo, stops: StopRequests | None = None
     benchmark: made here, the share not registered)."""
     cfg, tc = run.cfg, run.cfg.train
     stops = stops or StopRequests(info, cfg.distributed.timeout_s)
-    share = share or HostShare(cfg.distributed.threads_per_process, info.processes_on_host, enabled=False)
+    share = share or HostShare(run.threads_per_process, info.processes_on_host, enabled=False)
     compute = run.compute_on(info.device)
     cuda_kernels(info.device, run.deterministic)
     network, module = placed_network(run, info, compute)

@@ -127,13 +127,28 @@ class Resolved:
         """What rank ``rank`` of ``world_size`` reads (``meta``: the prepared data's, its normalisation perhaps the
         pretrained weights'), onto ``compute``'s device."""
         return TrainingData.load(self.cfg, self.views, self.batch_size_per_rank, meta, compute, rank=rank,
-                                 world_size=world_size, num_workers=num_workers)
+                                 world_size=world_size, num_workers=num_workers, decode_on_device=self.decode_on_device)
 
     def loader_workers(self, cores: int) -> int:
         """``data.num_workers`` for a rank that may use ``cores`` cores (:func:`loader_workers`)."""
         tc = self.cfg.train
         per_image = tc.auto_augment != "none" or tc.random_erasing > 0
-        return loader_workers(self.cfg.data.num_workers, self.meta.encoding, self.device, cores, per_image)
+        return loader_workers(self.cfg.data.num_workers, self.meta.encoding, self.device, cores, per_image,
+                              self.decode_on_device)
+
+    @property
+    def threads_per_process(self) -> int | None:
+        """``distributed.threads_per_process``, or the fewer threads ``auto`` measured faster (a thread per physical
+        core where the cores are hyperthreads); None: a thread on each core of the process's share."""
+        fixed = self.cfg.distributed.threads_per_process
+        return fixed if fixed is not None else (self.auto.threads or None if self.auto else None)
+
+    @property
+    def decode_on_device(self) -> bool:
+        """Whether encoded images are decoded on the training device (``data.decode_on``; auto: on CUDA)."""
+        setting = self.cfg.data.decode_on
+        on_device = setting == "device" or (setting == "auto" and self.device.type == "cuda")
+        return on_device and self.meta.encoding != "raw"
 
     def global_batch_size(self, world_size: int) -> int:
         return self.batch_size_per_rank * world_size * self.cfg.train.grad_accum_steps
@@ -157,6 +172,7 @@ class Resolved:
                     "auto_table": "; ".join(f"{label}: {rate:.0f}/s" for label, rate in self.auto.table)[:6000]} \
             if self.auto else {}
         return {**flatten(self.cfg), "model.name": self.model_name,
+                "data.decode_on": "device" if self.decode_on_device else "workers",
                 "train.batch_size_per_rank": self.batch_size_per_rank,
                 "train.eval_batch_size_per_rank": self.eval_batch_size_per_rank, **self._recipe(), **measured}
 
@@ -226,7 +242,7 @@ def measured_choice(cfg: Config, device: torch.device, meta: Prepared | None = N
                       large=side > SMALL_IMAGE_SIDE, precision=precision,
                       batch_size_per_rank=None if tc.batch_size_per_rank == "auto" else int(tc.batch_size_per_rank),
                       channels_last=None if tc.channels_last == "auto" else tc.channels_last == "on",
-                      nproc=None if d.nproc_per_node == "auto" else int(d.nproc_per_node)))
+                      threads=d.threads_per_process))
 
 
 def device_kind(device: torch.device) -> str:
@@ -288,16 +304,21 @@ def eval_batch_size(cfg: TrainConfig, device: torch.device, side: int, train_bat
     return 2 * (auto_choice(device, side)[1] if requested == "auto" else int(requested))
 
 
-def loader_workers(setting: str, encoding: str, device: torch.device, cores: int, per_image: bool = False) -> int:
+def loader_workers(setting: str, encoding: str, device: torch.device, cores: int, per_image: bool = False,
+                   decode_on_device: bool = False) -> int:
     """``data.num_workers`` resolved for a rank that may use ``cores`` cores. ``auto``: none for raw data (a
     batch is one gather from the memory map: handing it between processes would cost more) unless each image
-    has work of its own (``per_image``: an augmentation policy, random erasing); for encoded data on CUDA the
-    rank's cores less one (the training process feeds the GPU), on CPU half of them (the training's own threads
-    compute on the same cores), at least one."""
+    has work of its own (``per_image``: an augmentation policy, random erasing); for encoded data decoded on the
+    device one on CUDA (it reads the next batches' files while the GPU computes), none on a CPU (the training
+    process decodes); for encoded data decoded in the workers, on CUDA the rank's cores less one (the training
+    process feeds the GPU), on CPU half of them (the training's own threads compute on the same cores), at least
+    one."""
     if setting != "auto":
         return int(setting)
     if encoding == "raw" and not per_image:
         return 0
+    if decode_on_device and encoding != "raw":
+        return 1 if device.type == "cuda" else 0
     return max(1, cores - 1) if device.type == "cuda" else max(1, cores // 2)
 
 
