@@ -4,6 +4,7 @@ winning, the launcher's choice what its workers train, global rank 0's on every 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -72,7 +73,6 @@ def test_where_the_cores_are_hyperthreads_the_fastest_is_timed_again_with_a_thre
     thread per core of the process's share). A user's distributed.threads_per_process is all that is timed."""
     monkeypatch.setattr(autotune, "cpu_count", lambda: 2)
     monkeypatch.setattr(autotune, "physical_cores", lambda: 1)
-    monkeypatch.setattr(autotune, "cpu_quota", lambda: None)
     timed: list[tuple] = []
 
     def rate(ask, name, batch, precision, channels_last, threads):  # noqa: ANN001, ANN202
@@ -157,9 +157,9 @@ def test_a_training_measures_hands_the_choice_to_its_workers_and_records_why(tmp
     assert again is not None and again.source == f"cache {cached}" and again.key == choice["key"]
 
 
-def test_a_cgroups_cpu_quota_is_a_thread_count_to_measure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A container's CPU limit (cgroup v2's cpu.max, v1's CFS quota) below the cores the process sees is timed as a
-    thread count of its own; no limit, none."""
+def test_a_cgroups_cpu_quota_bounds_the_cpus_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container's CPU limit (cgroup v2's cpu.max, v1's CFS quota, rounded up) bounds the CPUs a process counts (its
+    threads, its loader workers, its share of the host); no limit, none; hyperthreads are timed with fewer threads."""
     from ddpipe.core import devices
 
     v2 = tmp_path / "v2"
@@ -182,7 +182,8 @@ def test_a_cgroups_cpu_quota_is_a_thread_count_to_measure(tmp_path: Path, monkey
     assert devices.cpu_quota(tmp_path / "v1") == 1
     (v1 / "cpu.cfs_quota_us").write_text("-1\n")
     assert devices.cpu_quota(tmp_path / "v1") is None
+    monkeypatch.setattr(devices, "_own_quota", lambda: 3)
+    assert devices.cpu_count() == min(3, len(os.sched_getaffinity(0)))  # no more CPUs than the quota's
     monkeypatch.setattr(autotune, "cpu_count", lambda: 8)
     monkeypatch.setattr(autotune, "physical_cores", lambda: 4)
-    monkeypatch.setattr(autotune, "cpu_quota", lambda: 2)
-    assert autotune.thread_counts(_ask()) == [8, 4, 2] and autotune.thread_counts(_ask(threads=3)) == [3]
+    assert autotune.thread_counts(_ask()) == [8, 4] and autotune.thread_counts(_ask(threads=3)) == [3]

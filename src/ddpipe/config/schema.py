@@ -293,7 +293,8 @@ class DistributedConfig:
     )
     threads_per_process: Optional[int] = param(
         None, "CPU threads per process (null = cores / local world size, shared with other trainings on the "
-        "host, or fewer where train.auto_by=measured timed fewer faster on hyperthreads or under a CPU quota; a set "
+        "host (no more than a container's CPU quota), or fewer where train.auto_by=measured timed fewer faster on "
+        "hyperthreads; a set "
         "value is kept, and the others share the cores it leaves); the evaluate and export stages' threads too "
         "(null: their share of the host).", ge=1,
     )

@@ -19,16 +19,26 @@ import torch
 
 
 def cpu_count() -> int:
-    """Cores this process may run on (affinity/cgroup aware where the OS says)."""
+    """CPUs this process may run on: its affinity (a cpuset), and no more than its cgroup's CPU quota (a container's
+    or a Kubernetes pod's CPU limit, :func:`cpu_quota`), where threads beyond the quota wait for each other's turn."""
     try:
-        return len(os.sched_getaffinity(0))
+        count = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        count = os.cpu_count() or 1
+    quota = _own_quota()
+    return min(count, quota) if quota else count
+
+
+@functools.lru_cache(maxsize=1)
+def _own_quota() -> int | None:
+    """This process's :func:`cpu_quota`, read once (:func:`cpu_count` is asked at every step)."""
+    return cpu_quota()
 
 
 def physical_cores() -> int:
-    """The cores under :func:`cpu_count`'s logical CPUs, a core's hyperthreads counted once (sysfs' thread siblings;
-    :func:`cpu_count` where the topology cannot be read). A cloud VM's two vCPUs are often one core's two threads."""
+    """The cores under this process's logical CPUs, a core's hyperthreads counted once (sysfs' thread siblings), no
+    more than :func:`cpu_count`; :func:`cpu_count` where the topology cannot be read. A cloud VM's two vCPUs are often
+    one core's two threads."""
     try:
         cpus = os.sched_getaffinity(0)
     except AttributeError:  # not Linux
@@ -38,14 +48,15 @@ def physical_cores() -> int:
         try:
             cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
         except OSError:
-            return len(cpus)
-    return max(1, len(cores))
+            return cpu_count()
+    return max(1, min(len(cores), cpu_count()))
 
 
 def cpu_quota(cgroup_root: str | Path = "/sys/fs/cgroup") -> int | None:
     """The CPUs' worth of time this process's cgroup may use (its CFS quota over its period, rounded up: a container's
-    or a Kubernetes pod's CPU limit), or None where none is set or readable. The cores :func:`cpu_count` sees may be
-    many more: threads beyond the quota wait for each other's turn at every layer."""
+    or a Kubernetes pod's CPU limit), or None where none is set or readable. The CPUs its affinity allows may be many
+    more: threads beyond the quota wait for each other's turn at every layer (BENCHMARKS.md, "`auto` by
+    measuring")."""
     root = Path(cgroup_root)
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()

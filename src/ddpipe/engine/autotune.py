@@ -9,11 +9,11 @@ input shape, and keeps the fastest (images/s):
   `auto` picks"), or only the network the user named;
 - each in fp32 and, where this process may run bf16 (``ddpipe.core.devices.cpu_supports_bf16``), bf16;
 - each with channels_last and without, as one process with a thread on each of the cores it may use;
-- the fastest of them again with fewer threads where the cores are not all there: a thread per physical core where
-  they are hyperthreads (``ddpipe.core.devices.physical_cores``: a cloud VM's two vCPUs are often one core's two
-  threads), a thread per CPU of a container's quota (``cpu_quota``); threads that wait for each other at every layer
-  may be slower than fewer. Unless ``distributed.threads_per_process`` says, the faster count (by more than
-  :data:`THREADS_MARGIN`) becomes the training's threads per process.
+- the fastest of them again with a thread per physical core where the CPUs are hyperthreads
+  (``ddpipe.core.devices.physical_cores``: a cloud VM's two vCPUs are often one core's two threads), whose threads
+  wait for each other at every layer and may be slower than fewer. Unless ``distributed.threads_per_process`` says,
+  the faster count (by more than :data:`THREADS_MARGIN`) becomes the training's threads per process. (A container's
+  CPU quota already bounds the CPUs counted: ``ddpipe.core.devices.cpu_count``.)
 
 The process layout is not among them: timed side by side without DDP, two processes of one thread looked 10% faster
 than one of two threads, and trained 35% slower (DDP's all-reduce and SyncBatchNorm's sums, which such a measurement
@@ -183,7 +183,7 @@ def describe(choice: Choice) -> str:
 
 
 def measure(ask: Ask, key: str) -> Choice:
-    """Time every candidate of ``ask`` as one process with a thread per core it may use, then the fastest with the
+    """Time every candidate of ``ask`` as one process with a thread per CPU it may use, then the fastest with the
     fewer threads of :func:`thread_counts`; the fastest. The process layout is not
     measured (one process per node, as the table says, unless ``distributed.nproc_per_node`` is set): N processes
     timed side by side without DDP ran 6,581 images/s here against 5,953 for one, and trained at 3,455 (DDP's
@@ -205,13 +205,12 @@ def measure(ask: Ask, key: str) -> Choice:
 
 def thread_counts(ask: Ask) -> list[int]:
     """The thread counts a measurement times: the user's (``distributed.threads_per_process``), or a thread per
-    core this process may use, then fewer where the cores are not all there: a thread per physical core where
-    hyperthreads make that fewer, a thread per CPU of a cgroup's quota (a container's CPU limit)."""
+    CPU this process may use (its affinity, no more than its cgroup's quota: ``ddpipe.core.devices.cpu_count``),
+    then a thread per physical core where hyperthreads make that fewer."""
     if ask.threads is not None:
         return [ask.threads]
-    logical = cpu_count()
-    fewer = {count for count in (physical_cores(), cpu_quota()) if count is not None and count < logical}
-    return [logical, *sorted(fewer, reverse=True)]
+    logical, physical = cpu_count(), physical_cores()
+    return [logical, physical] if physical < logical else [logical]
 
 
 def _label(cand: tuple[str, int, str, bool], threads: int) -> str:
