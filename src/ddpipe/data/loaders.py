@@ -260,7 +260,7 @@ class TrainingData:
         crop = None if raw else TrainCrop(size[0], views.min_crop_scale, tc.hflip, cfg.seed)
         policy = ImagePolicy.from_config(tc, meta.mean, cfg.seed)
         splits = Splits(cfg.paths.prepared, meta, ("train", "val"), size, crop, policy,
-                        EvalCrop(views.eval_size[0], views.eval_crop_ratio), decode_on_device and not raw)
+                        EvalCrop(views.eval_size[0], views.eval_crop_ratio), decode_on_device)
         transform = BatchTransform(meta.mean, meta.std, tc.random_crop_padding if raw else 0, tc.hflip and raw,
                                    cfg.seed, compute.device, compute.channels_last)
         n = meta.sizes["train"]

@@ -17,9 +17,12 @@ same sample gets the same crop on any rank, in any worker, at any world size, af
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -85,25 +88,31 @@ def decode(blob: np.ndarray | torch.Tensor, channels: int) -> torch.Tensor:
     """A stored JPEG/PNG file (uint8 bytes: a memory-mapped array, or a tensor of its own) as a uint8
     ``C x H x W`` tensor with ``channels`` channels (libjpeg-turbo/libpng through torchvision: 1.4x PIL's JPEG
     decode rate here)."""
-    from torchvision.io import ImageReadMode, decode_image  # here: the launcher and stages need no torchvision
-
     if not isinstance(blob, torch.Tensor):
         blob = torch.from_numpy(np.array(blob, dtype=np.uint8, copy=True))  # out of the read-only memory map
-    with warnings.catch_warnings():
-        # torchvision 0.29 deprecates its decoders for TorchCodec's (torch >= 2.11 only); ddpipe supports
-        # torchvision 0.19-0.29, where these are the same functions
-        warnings.filterwarnings("ignore", "The image decoding and encoding capabilities", DeprecationWarning)
-        return decode_image(blob, mode=ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB)
+    with _decoders(channels) as (io, mode):
+        return io.decode_image(blob, mode=mode)
 
 
 def decode_jpegs_on(device: torch.device, blobs: list[torch.Tensor], channels: int) -> list[torch.Tensor]:
     """JPEG files decoded on a CUDA ``device`` in one batched call (nvJPEG through torchvision's
     ``decode_jpeg``), each a uint8 ``C x H x W`` tensor there."""
-    from torchvision.io import ImageReadMode, decode_jpeg
+    with _decoders(channels) as (io, mode):
+        return io.decode_jpeg(blobs, mode=mode, device=device)
+
+
+@contextlib.contextmanager
+def _decoders(channels: int) -> Iterator[tuple[Any, Any]]:
+    """torchvision's image module and the read mode that gives ``channels`` channels, imported here (the launcher
+    and stages need no torchvision)."""
+    from torchvision import io
+    from torchvision.io import ImageReadMode
 
     with warnings.catch_warnings():
+        # torchvision 0.29 deprecates its decoders for TorchCodec's (torch >= 2.11 only); ddpipe supports
+        # torchvision 0.19-0.29, where these are the same functions
         warnings.filterwarnings("ignore", "The image decoding and encoding capabilities", DeprecationWarning)
-        return decode_jpeg(blobs, mode=ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB, device=device)
+        yield io, ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
 
 
 def crop_resize(image: torch.Tensor, box: tuple[int, int, int, int], size: int) -> torch.Tensor:

@@ -50,7 +50,6 @@ from ddpipe.core.devices import (
     PrecisionPolicy,
     cpu_count,
     cpu_flags,
-    cpu_quota,
     cpu_supports_bf16,
     physical_cores,
 )
@@ -126,7 +125,7 @@ def machine_key(ask: Ask) -> tuple[str, dict[str, Any]]:
     cores, the versions, the instruction-set caps in force, the input and what the user fixed."""
     flags = cpu_flags()
     parts = {"cpu": _cpu_model(), "flags": [f for f in FLAGS if f in flags], "cores": cpu_count(),
-             "physical_cores": physical_cores(), "cpu_quota": cpu_quota(),
+             "physical_cores": physical_cores(),  # "cores" already no more than a CPU quota (cpu_count)
              "torch": torch.__version__, "ddpipe": __version__, "machine": platform.machine(),
              "caps": {n: os.environ.get(n, "") for n in ("ATEN_CPU_CAPABILITY", *ONEDNN_ISA_ENV)},
              "ask": {**asdict(ask), "model": asdict(ask.model)}}
@@ -189,11 +188,10 @@ def measure(ask: Ask, key: str) -> Choice:
     timed side by side without DDP ran 6,581 images/s here against 5,953 for one, and trained at 3,455 (DDP's
     all-reduce and SyncBatchNorm's sums are what a layout costs; BENCHMARKS.md, "`auto` by measuring")."""
     every, *fewer = thread_counts(ask)
-    table: list[tuple[str, float]] = []
-    for cand in ask.candidates():
-        table.append((_label(cand, every), images_per_s(ask, *cand, threads=every)))
+    candidates = ask.candidates()
+    table = [(_label(cand, every), images_per_s(ask, *cand, threads=every)) for cand in candidates]
     best = max(range(len(table)), key=lambda i: table[i][1])
-    name, batch, precision, channels_last = ask.candidates()[best]
+    name, batch, precision, channels_last = candidates[best]
     rate, threads = table[best][1], 0 if ask.threads is None else ask.threads
     for count in fewer:
         measured = images_per_s(ask, name, batch, precision, channels_last, threads=count)

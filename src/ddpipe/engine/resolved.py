@@ -141,7 +141,7 @@ class Resolved:
         """``distributed.threads_per_process``, or the fewer threads ``auto`` measured faster (a thread per physical
         core where the cores are hyperthreads); None: a thread on each core of the process's share."""
         fixed = self.cfg.distributed.threads_per_process
-        return fixed if fixed is not None else (self.auto.threads or None if self.auto else None)
+        return fixed if fixed is not None else ((self.auto.threads or None) if self.auto else None)
 
     @property
     def decode_on_device(self) -> bool:
@@ -317,7 +317,7 @@ def loader_workers(setting: str, encoding: str, device: torch.device, cores: int
         return int(setting)
     if encoding == "raw" and not per_image:
         return 0
-    if decode_on_device and encoding != "raw":
+    if decode_on_device:  # never for raw data (Resolved.decode_on_device)
         return 1 if device.type == "cuda" else 0
     return max(1, cores - 1) if device.type == "cuda" else max(1, cores // 2)
 
