@@ -5,7 +5,8 @@ Runtime fp32 and INT8, from an export run in a scratch directory.
     python bench/export.py resnet18 OUT  # resnet18 on the generated 224 px folder (bench/imageset.py)
     python bench/export.py resnet18 OUT --images 3000 --classes 10 --epochs 4   # a resnet18 that has learnt
 
-Each prints one Markdown row per format; the stage's own metrics file is OUT/export.json.
+Each prints one Markdown row per format; the stage's own files are OUT/export.json (its DVC metrics) and
+OUT/export_host.json (the latencies and the host's load).
 """
 
 from __future__ import annotations
@@ -74,7 +75,10 @@ def main() -> None:
         subprocess.run([sys.executable, f"stages/{stage}.py", *common, *extra, *args.train], cwd=ROOT, check=True)
     if "export" not in stages:
         return
-    print(rows(json.loads((out / "export.json").read_text()), args.case))
+    from ddpipe.export.stage import merge
+
+    print(rows(merge(*(json.loads((out / name).read_text()) for name in ("export.json", "export_host.json"))),
+               args.case))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python bench/gpu.py                        # every row below; Markdown table; bench/results/gpu.jsonl
     python bench/gpu.py --only synthetic       # the model alone only
     python bench/gpu.py --images 16000 --batch 256 --steps 40
+    make gpu-check                             # the tests and a few of these rows in 8 minutes (bench/gpu_check.py)
 
 Rows:
 - **The model alone**, on synthetic batches already on the GPU (no loader, no host copy): one training step
@@ -16,10 +17,11 @@ Rows:
 - **ddpipe's train stage**: ``python -m ddpipe.launch`` on a generated class-per-folder image set (bench/imageset.py:
   JPEGs and PNGs of 160-500 px) prepared at 224 px, ``model.name=resnet50``, the rest from params.yaml (precision and
   channels_last ``auto``: bf16 and channels_last on CUDA), twice: JPEGs decoded on the GPU a batch at a time
-  (``data.decode_on: device``, auto's choice on CUDA: one worker reads the files into pinned memory, nvJPEG decodes,
-  the crops and flips follow on the GPU) and in the loader's worker processes (``workers``: libjpeg-turbo, crops and
-  flips per image, pinned copies). Each one's second epoch's images/s (the first one times cuDNN's algorithms)
-  against the model alone in the same arithmetic: the share of the GPU the loader keeps fed (want >= 90%).
+  (``data.decode_on: device``: one worker reads the files into pinned memory, nvJPEG decodes, the crops and flips
+  follow on the GPU) and in the loader's worker processes (``workers``, auto's choice until the device is shown at
+  least as fast: libjpeg-turbo, crops and flips per image, pinned copies). Each one's second epoch's images/s (the
+  first one times cuDNN's algorithms) against the model alone in the same arithmetic: the share of the GPU the
+  loader keeps fed (want >= 90%).
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ ROWS = {
     "torchvision reference step (--amp: fp16 + GradScaler)": ("fp16-scaler", False, False, False),
 }
 STAGE_ROWS = {  # data.decode_on -> the row's name
-    "device": "ddpipe train stage: loader + model, bf16, channels_last, JPEGs decoded on the GPU (auto)",
-    "workers": "ddpipe train stage: loader + model, bf16, channels_last, JPEGs decoded in the loader's workers",
+    "device": "ddpipe train stage: loader + model, bf16, channels_last, JPEGs decoded on the GPU",
+    "workers": "ddpipe train stage: loader + model, bf16, channels_last, JPEGs decoded in the loader's workers (auto)",
 }
 SAME_ARITHMETIC = "bf16, channels_last"  # the model-alone row the train stage is compared with
 
@@ -101,11 +103,16 @@ def one_row(name: str, batch: int, steps: int, warmup: int) -> dict:
             "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
 
 
+def row_command(name: str, batch: int, steps: int, warmup: int) -> list[str]:
+    """The command that times ``ROWS[name]`` in a process of its own; its last line on stdout is the row's JSON."""
+    return [sys.executable, str(Path(__file__).resolve()), "--row", name, "--batch", str(batch), "--steps",
+            str(steps), "--warmup", str(warmup)]
+
+
 def synthetic(batch: int, steps: int, warmup: int) -> list[dict]:
     rows = []
     for name in ROWS:
-        out = subprocess.run([sys.executable, __file__, "--row", name, "--batch", str(batch), "--steps", str(steps),
-                              "--warmup", str(warmup)], capture_output=True, text=True, env=_env())
+        out = subprocess.run(row_command(name, batch, steps, warmup), capture_output=True, text=True, env=_env())
         if out.returncode != 0:
             print(f"{name}: exit {out.returncode}\n{out.stderr[-2000:]}", flush=True)
             rows.append({"row": name, "error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "?"})
@@ -124,26 +131,44 @@ def train_stage(images: int, batch: int) -> list[dict]:
         t0 = time.perf_counter()
         generate(tmp / "images", images)
         generated = time.perf_counter() - t0
-        data = ["data.dataset=imagefolder", f"data.source_dir={tmp / 'images'}", "data.image_size=224",
-                "data.val_fraction=0.05", "data.test_fraction=0.05", f"paths.prepared={tmp / 'prepared'}",
-                f"paths.raw={tmp / 'raw'}"]
-        prepare_s = run_timed([sys.executable, "stages/prepare.py", *data], env=_env())
+        prepare_s = run_timed(prepare_command(tmp), env=_env())
         for where, row in STAGE_ROWS.items():
-            run = tmp / where
-            keys = [*data, "model.name=resnet50", f"train.batch_size_per_rank={batch}", "num_epochs=2",
-                    f"data.decode_on={where}", "train.progress_bar=false", "mlflow.log_model=false",
-                    "mlflow.log_system_metrics=false", f"mlflow.tracking_uri=sqlite:///{run}/mlflow.db",
-                    f"mlflow.outbox={run}/outbox",
-                    *(f"paths.{k}={run}/{v}" for k, v in (
-                        ("checkpoints", "ckpt"), ("model", "model.pt"), ("run_info", "run.json"),
-                        ("train_metrics", "train.json"), ("history", "history.csv")))]
-            train_s = run_timed([sys.executable, "-m", "ddpipe.launch", *keys], env=_env())
-            with (run / "history.csv").open() as f:
-                epochs = list(csv.DictReader(f))
-            rows.append({"row": row, "images_per_s": float(epochs[-1]["images_per_s"]),
-                         "first_epoch_images_per_s": float(epochs[0]["images_per_s"]), "batch": batch,
-                         "images": images, "generate_s": generated, "prepare_s": prepare_s, "train_s": train_s})
+            train_s = run_timed(launch_command(tmp, where, batch), env=_env())
+            rows.append({"row": row, **stage_figures(tmp, where), "batch": batch, "images": images,
+                         "generate_s": generated, "prepare_s": prepare_s, "train_s": train_s})
     return rows
+
+
+def _data_keys(tmp: Path) -> list[str]:
+    return ["data.dataset=imagefolder", f"data.source_dir={tmp / 'images'}", "data.image_size=224",
+            "data.val_fraction=0.05", "data.test_fraction=0.05", f"paths.prepared={tmp / 'prepared'}",
+            f"paths.raw={tmp / 'raw'}"]
+
+
+def prepare_command(tmp: Path) -> list[str]:
+    """The prepare stage over ``tmp``/images (the generated folder), its output under ``tmp``."""
+    return [sys.executable, "stages/prepare.py", *_data_keys(tmp)]
+
+
+def launch_command(tmp: Path, where: str, batch: int) -> list[str]:
+    """The train stage's launcher: two epochs of resnet50 on ``tmp``'s prepared images, decoded on ``where``
+    (``data.decode_on``), its outputs under ``tmp``/``where``."""
+    run = tmp / where
+    return [sys.executable, "-m", "ddpipe.launch", *_data_keys(tmp), "model.name=resnet50",
+            f"train.batch_size_per_rank={batch}", "num_epochs=2", f"data.decode_on={where}",
+            "train.progress_bar=false", "mlflow.log_model=false", "mlflow.log_system_metrics=false",
+            f"mlflow.tracking_uri=sqlite:///{run}/mlflow.db", f"mlflow.outbox={run}/outbox",
+            *(f"paths.{k}={run}/{v}" for k, v in (("checkpoints", "ckpt"), ("model", "model.pt"),
+                                                  ("run_info", "run.json"), ("train_metrics", "train.json"),
+                                                  ("history", "history.csv")))]
+
+
+def stage_figures(tmp: Path, where: str) -> dict[str, float]:
+    """What :func:`launch_command` measured: its last (second) and first epochs' images/s."""
+    with (tmp / where / "history.csv").open() as f:
+        epochs = list(csv.DictReader(f))
+    return {"images_per_s": float(epochs[-1]["images_per_s"]),
+            "first_epoch_images_per_s": float(epochs[0]["images_per_s"])}
 
 
 def _env() -> dict[str, str]:

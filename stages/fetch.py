@@ -7,6 +7,7 @@ directory, torchvision's download (copied into paths.raw). A folder of one's own
 checked: the prepare stage reads it where it lies.
 """
 
+import logging
 from pathlib import Path
 
 from ddpipe.config.command import execute_stage
@@ -14,10 +15,12 @@ from ddpipe.config.schema import Config
 from ddpipe.data.fetching import fetch
 from ddpipe.data.verify import DataSourceError
 
+logger = logging.getLogger("ddpipe.stages.fetch")  # under ddpipe's logger, which execute_stage shows
+
 
 def main(cfg: Config) -> None:
     origin = fetch(cfg.data, Path(cfg.paths.raw))
-    print(f"fetched {cfg.data.dataset} from {origin} into {cfg.paths.raw}")
+    logger.info(f"fetched {cfg.data.dataset} from {origin} into {cfg.paths.raw}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python stages/prepare.py [key=value ...]     e.g. data.val_fraction=0.2
 """
 
+import logging
 import time
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from ddpipe.data.prepare import prepare
 from ddpipe.data.store import PreparedDataError
 from ddpipe.data.verify import DataSourceError
 
+logger = logging.getLogger("ddpipe.stages.prepare")  # under ddpipe's logger, which execute_stage shows
+
 
 def main(cfg: Config) -> None:
     started = time.perf_counter()
@@ -20,9 +23,9 @@ def main(cfg: Config) -> None:
     sizes = ", ".join(f"{k} {v}" for k, v in result.sizes.items())
     stored = f"raw {result.image_size[0]}x{result.image_size[1]}" if result.image_size else \
         f"encoded, longer side at most {result.max_side} px"
-    print(f"prepared {cfg.data.dataset} into {cfg.paths.prepared} ({stored}): {sizes}; {len(result.classes)} "
-          f"classes; mean {[round(m, 4) for m in result.mean]}, std {[round(s, 4) for s in result.std]}; "
-          f"{seconds:.1f} s")
+    logger.info(f"prepared {cfg.data.dataset} into {cfg.paths.prepared} ({stored}): {sizes}; {len(result.classes)} "
+                f"classes; mean {[round(m, 4) for m in result.mean]}, std {[round(s, 4) for s in result.std]}; "
+                f"{seconds:.1f} s")
 
 
 if __name__ == "__main__":

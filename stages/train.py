@@ -7,4 +7,4 @@
 from ddpipe.launch.torchrun import main
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main(prog="python stages/train.py"))

@@ -27,6 +27,9 @@ import torch
 
 from ddpipe.config.load import load_config
 from ddpipe.config.schema import Config, DistributedConfig
+from ddpipe.core.environment import LOG_LEVEL_ENV
+from ddpipe.core.logs import configure
+from ddpipe.core.processes import processes_in
 from ddpipe.launch.torchrun import torchrun_command
 
 # The suite's own process computes with one thread, as the trainings and stages it starts do
@@ -56,7 +59,8 @@ def tiny_overrides(tmp: Path) -> list[str]:
         f"paths.test_metrics={tmp}/test.json", f"paths.confusion={tmp}/confusion.csv",
         f"paths.per_class={tmp}/per_class.csv",
         f"paths.reports={tmp}/reports", f"paths.onnx={tmp}/model.onnx", f"paths.onnx_int8={tmp}/model.int8.onnx",
-        f"paths.export_metrics={tmp}/export.json", "train.progress_bar=false", "num_epochs=2",
+        f"paths.export_metrics={tmp}/export.json", f"paths.export_host={tmp}/export_host.json",
+        "train.progress_bar=false", "num_epochs=2",
         f"mlflow.tracking_uri=sqlite:///{tmp}/mlflow.db", f"mlflow.outbox={tmp}/outbox",
         "model.width=8", "train.batch_size_per_rank=32", "train.eval_batch_size_per_rank=100",
         # tests compare trajectories (world sizes, threads, resumes) by the weights they end with
@@ -138,6 +142,16 @@ def _mlflow_uris_restored(monkeypatch: pytest.MonkeyPatch) -> None:
         else:  # recorded as absent, so the undo removes whatever a test set
             monkeypatch.setenv(name, "")
             monkeypatch.delenv(name)
+
+
+@pytest.fixture(autouse=True)
+def _ddpipe_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ddpipe's messages on stderr from INFO up, as its commands show them (ddpipe.core.logs.configure): a test reads
+    a library function's notes and warnings where a user of the command would. A command's -q or -v puts its level in
+    the environment (for the processes it starts): undone after each test, which starts without one."""
+    monkeypatch.setenv(LOG_LEVEL_ENV, "")
+    monkeypatch.delenv(LOG_LEVEL_ENV)
+    configure()
 
 
 @pytest.fixture
@@ -349,21 +363,23 @@ sys.path[:] = [p for p in sys.path if p not in ("", ".") and os.path.realpath(p)
 assert importlib.util.find_spec("ddpipe") is None, "ddpipe is still importable"
 import mlflow.pyfunc, numpy as np
 mlflow.set_tracking_uri(sys.argv[2])
-answer = mlflow.pyfunc.load_model(sys.argv[3]).predict(np.load(sys.argv[4]))
-print(json.dumps({"labels": answer["label"].tolist(), "ddpipe": sys.modules["ddpipe"].__file__}))
+model = mlflow.pyfunc.load_model(sys.argv[3])
+answer = model.predict(np.load(sys.argv[4]))
+served_by = sys.modules[type(model.unwrap_python_model()).__module__].__file__
+print(json.dumps({"labels": answer["label"].tolist(), "served_by": served_by}))
 """
 
 
 def predict_without_ddpipe(model_uri: str, tracking_uri: str, images: np.ndarray, workdir: Path) -> tuple[list, str]:
     """``model_uri``'s labels for ``images``, loaded in a Python where ddpipe is not importable (:data:`WITHOUT_DDPIPE`,
-    from ``workdir``), and the file its ddpipe came from."""
+    from ``workdir``), and the file of the module whose class served it (the copy of ddpipe the model carries)."""
     workdir.mkdir(parents=True, exist_ok=True)
     np.save(workdir / "images.npy", images)
     where = os.pathsep.join(os.path.realpath(p) for p in (ROOT, ROOT / "src"))  # the checkout, its editable install
     said = run([sys.executable, "-c", WITHOUT_DDPIPE, where, tracking_uri, model_uri, str(workdir / "images.npy")],
                cwd=workdir, env={"MLFLOW_TRACKING_URI": ""}).stdout
     answer = json.loads(said.strip().splitlines()[-1])
-    return answer["labels"], answer["ddpipe"]
+    return answer["labels"], answer["served_by"]
 
 
 def wait_for_url(url: str, seconds: float, proc: subprocess.Popen | None = None) -> None:
@@ -409,18 +425,11 @@ def wait_for_step_checkpoint(directory: Path, epoch: int, step: int, running: Ca
 
 
 def training_processes(marker: str) -> list[psutil.Process]:
-    """The processes on this host whose command line names ``marker`` (a test's own directory) or that work in it or
-    below it: a launcher, its torchrun, the workers and their loader workers (forked, the same command line), a DVC
-    experiment's in its workspace (a search trial's, a queued one's)."""
-    found = []
-    for p in psutil.process_iter(["cmdline", "cwd", "status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and p.pid != os.getpid() and (
-                    any(marker in a for a in p.info["cmdline"] or ()) or (p.info["cwd"] or "").startswith(marker)):
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
+    """The processes on this host whose command line names ``marker`` (a test's own directory) or a path below it, or
+    that work in it or below it: a launcher, its torchrun, the workers and their loader workers (forked, the same
+    command line), a DVC experiment's in its workspace (a search trial's, a queued one's). Paths compared whole
+    (ddpipe.core.processes.processes_in): ``trial-1``'s are not ``trial-10``'s."""
+    return processes_in(marker)
 
 
 def none_left_within(marker: str, seconds: float) -> list[psutil.Process]:
@@ -631,3 +640,31 @@ def object_store_env(directory: Path, port: int | None = None) -> dict[str, str]
         endpoint = f"http://127.0.0.1:{port}"
     return {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": keys["access_key_id"],
             "AWS_SECRET_ACCESS_KEY": keys["secret_access_key"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# podman, as the Makefile's image targets run it
+
+CONTAINERS_CONF = ROOT / "deploy" / "podman" / "containers.conf"
+
+
+def podman(*args: str, check: bool = True, timeout: float = 1800) -> subprocess.CompletedProcess:
+    """``podman ARGS`` with deploy/podman/containers.conf; fails with its output if ``check`` and it fails."""
+    env = {**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)}
+    out = subprocess.run(["podman", *args], capture_output=True, text=True, env=env, timeout=timeout)
+    if check and out.returncode != 0:
+        raise AssertionError(f"podman {' '.join(args[:3])} exited {out.returncode}:\n{out.stdout[-3000:]}"
+                             f"\n{out.stderr[-3000:]}")
+    return out
+
+
+def podman_unavailable(*tools: str) -> str | None:
+    """Why podman cannot build and run images here (None: it can): not root, podman, runc or ``tools`` missing, or
+    ``podman info`` failing."""
+    if os.geteuid() != 0:
+        return "podman here runs as root (rootless needs subuids this host does not give)"
+    missing = [tool for tool in ("podman", "runc", *tools) if not shutil.which(tool)]
+    if missing:
+        return f"{', '.join(missing)} not installed (as root: {'make image-deps' if tools else 'make system-deps'})"
+    info = podman("info", check=False, timeout=120)
+    return f"podman cannot run here: {info.stderr.strip()[-500:]}" if info.returncode != 0 else None

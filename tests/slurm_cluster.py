@@ -7,7 +7,7 @@ as 127.0.0.1. Every daemon it started is stopped on exit, jobs first, whatever h
         job = cluster.sbatch(["--nodes=2", "deploy/slurm/train.sbatch", "num_epochs=2"], cwd=ROOT)
         cluster.wait(job, {"COMPLETED"}, seconds=600)
 
-Needs root (slurmd starts job steps as the submitting user) and the packages: ``make slurm-deps``.
+Needs root (slurmd starts job steps as the submitting user) and the packages: ``make system-deps``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def unavailable() -> str | None:
     """Why no cluster can start here, or None."""
     missing = [d for d in DAEMONS if not (shutil.which(d) or Path(f"/usr/sbin/{d}").exists())]
     if missing:
-        return f"{', '.join(missing)} not installed (make slurm-deps installs Debian's slurm-wlm and munge)"
+        return f"{', '.join(missing)} not installed (make system-deps, as root, installs Debian's slurm-wlm and munge)"
     if os.geteuid() != 0:
         return "slurmd must run as root to start job steps (run the SLURM tests as root)"
     return None

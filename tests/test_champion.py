@@ -72,12 +72,12 @@ def test_the_alias_follows_validation_the_test_only_vetoes(store: tuple[str, Pat
     _export(client, runs[2])
     assert _holder(client) == "1"
     assert "the test vetoes it: test accuracy 0.8000 is 13.00 points below its validation accuracy" in \
-        capsys.readouterr().out
+        capsys.readouterr().err
     _export(client, runs[3], passed=False)
     assert _holder(client) == "1"
     _export(client, runs[4])
     assert _holder(client) == "5"
-    assert "clf@champion -> version 5: validation accuracy 0.9200, test 0.9150 beside it" in capsys.readouterr().out
+    assert "clf@champion -> version 5: validation accuracy 0.9200, test 0.9150 beside it" in capsys.readouterr().err
     _export(client, runs[0])
     assert _holder(client) == "5"
     _export(client, runs[2], drop=0.2)  # a looser veto: v3's validation figure is the best, and now it may take it
@@ -120,3 +120,68 @@ def test_two_exports_at_once_end_with_the_better_on_the_alias(store: tuple[str, 
         p.join(120)
     assert [p.exitcode for p in procs] == [0, 0]
     assert _holder(client) == "2"
+
+
+def _hold_the_lock(uri: str, hold_s: float, barrier, out: Path) -> None:  # noqa: ANN001
+    """Wait with the others, take the alias's lock, hold it ``hold_s`` (a slow decision), record when."""
+    from ddpipe.tracking.champion import alias_lock
+
+    client = _client(uri)
+    barrier.wait()
+    with alias_lock(client, NAME, ALIAS):
+        start = time.time()
+        time.sleep(hold_s)
+        end = time.time()
+    out.write_text(f"{start} {end}")
+
+
+def test_two_waiters_on_a_stale_lock_decide_one_at_a_time(store: tuple[str, Path], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capfd: pytest.CaptureFixture) -> None:
+    """Issue 69, item 4: a lock left an hour ago by a process that died, two waiters finding it stale at once, each
+    with its own client. One takes it over (the other must not delete the winner's new lock), and each decision lasts
+    longer than a lock's staleness, so only its renewal keeps the other waiter out: the decisions never overlap,
+    both end, and nothing of the lock is left."""
+    import sqlite3
+
+    from ddpipe.tracking import champion
+
+    uri, _ = store
+    lock = f"ddpipe-lock.{NAME}.{ALIAS}"
+    _client(uri).create_registered_model(lock, tags={"ddpipe.lock": "dead", "holder": "a host that died"})
+    with sqlite3.connect(uri.removeprefix("sqlite:///")) as db:  # its last renewal an hour ago, by the store's clock
+        db.execute("UPDATE registered_models SET last_updated_time = last_updated_time - 3600000 WHERE name = ?",
+                   (lock,))
+    monkeypatch.setattr(champion, "LOCK_STALE_S", 3.0)  # renewed every second; the forked waiters inherit it
+    fork = multiprocessing.get_context("fork")
+    barrier = fork.Barrier(2)
+    outs = [tmp_path / f"held{i}" for i in range(2)]
+    procs = [fork.Process(target=_hold_the_lock, args=(uri, 4.0, barrier, out)) for out in outs]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    first, second = sorted(tuple(map(float, out.read_text().split())) for out in outs)
+    assert first[1] <= second[0], (first, second)  # one decision at a time
+    text = capfd.readouterr().err
+    assert text.count("took over the decision on clf@champion from a host that died") == 1, text
+    assert "taken over while this decision ran" not in text, text
+    assert not _client(uri).search_registered_models("name LIKE 'ddpipe-lock.%'")  # lock, markers, clocks: gone
+
+
+def test_a_holder_whose_lock_was_taken_over_leaves_the_new_one(store: tuple[str, Path],
+                                                              capsys: pytest.CaptureFixture) -> None:
+    """A holder that finds on leaving that its lock is another's (taken over while it stalled) deletes nothing and
+    says so: the new holder's lock stays."""
+    from ddpipe.tracking.champion import alias_lock
+
+    uri, _ = store
+    client = _client(uri)
+    lock = f"ddpipe-lock.{NAME}.{ALIAS}"
+    with alias_lock(client, NAME, ALIAS):
+        client.delete_registered_model(lock)  # what a waiter's takeover does, then its own lock
+        client.create_registered_model(lock, tags={"ddpipe.lock": "successor", "holder": "the next decision"})
+    assert client.get_registered_model(lock).tags["ddpipe.lock"] == "successor"
+    assert "the lock on clf@champion was taken over while this decision ran" in capsys.readouterr().err
+    assert [m.name for m in client.search_registered_models("name LIKE 'ddpipe-lock.%'")] == [lock]

@@ -16,7 +16,7 @@ import torch
 
 from ddpipe.core.ranks import DistInfo
 from ddpipe.engine import checkpoint as ckpt
-from tests.conftest import ROOT, subprocess_env
+from tests.conftest import ROOT, free_port, spawn, subprocess_env
 
 
 def test_checkpoint_roundtrip_with_rng_state(tmp_path: Path) -> None:
@@ -145,6 +145,32 @@ def test_checkpointer_restores_every_part_and_the_rng(tmp_path: Path) -> None:
     assert fresh_optimizer.state_dict()["state"][0]["step"] == 1
     assert torch.equal(torch.rand(3), expected)  # the RNG continues where the saved run left it
     assert ckpt.Checkpointer(tmp_path, "000000000000", 2, DistInfo()).restore({"model": fresh_model}) is None
+
+
+def _at_a_store_away(rank: int, world_size: int, out: Path, endpoint: str) -> None:
+    from ddpipe.core import objectstore
+    from ddpipe.core.exits import StoreAway
+
+    objectstore.STORE_OUTAGE_S, objectstore.RETRY_DELAYS_S = 0.0, (0.01,)  # a spawned process: set here
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="key", AWS_SECRET_ACCESS_KEY="secret")
+    info = DistInfo(distributed=True, rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size,
+                    backend="gloo", sums="gloo")
+    saver = ckpt.Checkpointer("s3://ddpipe/away", "abcdef012345", keep=2, info=info)
+    try:
+        saver.save(ckpt.Position(1, 4), {"model": torch.nn.Linear(2, 2)})
+        (out / f"{rank}.txt").write_text("went on")
+    except StoreAway as stop:
+        (out / f"{rank}.txt").write_text(str(stop))
+
+
+def test_a_store_away_too_long_stops_every_rank_at_the_same_checkpoint(tmp_path: Path) -> None:
+    """Global rank 0 alone writes the checkpoints; its store away for the stated time (ddpipe.core.objectstore's
+    STORE_OUTAGE_S, 0 s here: the first write that fails), every rank stops at that checkpoint with rank 0's words."""
+    spawn(_at_a_store_away, 2, tmp_path, f"http://127.0.0.1:{free_port()}")
+    said = [(tmp_path / f"{rank}.txt").read_text() for rank in (0, 1)]
+    assert said[0] == said[1], said
+    assert "(s3://ddpipe/away, endpoint http://127.0.0.1:" in said[0] and "has been away for" in said[0], said
+    assert "the checkpoint at step 4 of epoch 2 is not written" in said[0], said
 
 
 def test_the_fingerprint_of_a_configuration_stays_what_it_was() -> None:

@@ -42,6 +42,7 @@ SMALL = {"train.batch_size_per_rank": 64, "distributed.nproc_per_node": 1, "dist
          "train.checkpoint_every_steps": 0, "train.model_epoch": "last", "mlflow.log_model": False,
          "mlflow.log_system_metrics": False, "cluster.cpus_per_node": 1, "cluster.time_limit": "30:00"}
 STEPPED = ("train.batch_size_per_rank=8", "train.checkpoint_every_steps=2")
+IMAGE = "registry.internal:5000/ddpipe:1.0"  # a Kubernetes submission names its pods' image (cluster.image)
 slurm_only = pytest.mark.skipif(bool(unavailable()), reason=str(unavailable()))
 
 
@@ -90,8 +91,12 @@ def test_the_queue_is_refused_whole_when_one_experiment_is_wrong_and_left_as_it_
     run(["dvc", "queue", "remove", "elastic"], cwd=repo)
     params = run(CLUSTER + ["submit", "--dry-run", str(repo / "out"), "num_epochs=3"], cwd=repo, check=False)
     assert params.returncode == 2 and "only cluster.* keys" in params.stderr, params.stderr
+    no_image = run(CLUSTER + ["submit", "--dry-run", str(repo / "out"), "--scheduler", "kubernetes"], cwd=repo,
+                   check=False)
+    assert no_image.returncode == 2 and "cluster.image is not set" in no_image.stderr, no_image.stderr
+    assert "make image" in no_image.stderr and not (repo / "out").exists()
     remote = run(CLUSTER + ["submit", "--dry-run", str(repo / "out"), "--scheduler", "kubernetes", "--storage",
-                            "remote"], cwd=repo, check=False)
+                            "remote", f"cluster.image={IMAGE}"], cwd=repo, check=False)
     assert remote.returncode == 2 and "tracking server" in remote.stderr, remote.stderr
     assert queued_names(repo) == ["fine"]
     assert not list(repo.glob(".dvc/tmp/cluster/experiments/*.json"))
@@ -105,7 +110,7 @@ def test_kubernetes_submission_is_an_indexed_job_per_experiment_valid_for_the_ap
     queue(repo, "one", "seed=1")
     queue(repo, "two", "seed=2", "distributed.nnodes=2", "cluster.gpus_per_node=4")
     out = repo / "k8s"
-    run(CLUSTER + ["submit", "--scheduler", "kubernetes", "--dry-run", str(out)], cwd=repo)
+    run(CLUSTER + ["submit", "--scheduler", "kubernetes", "--dry-run", str(out), f"cluster.image={IMAGE}"], cwd=repo)
     docs = [d for f in sorted(out.glob("*.yaml")) for d in yaml.safe_load_all(f.read_text())]
     jobs = [d for d in docs if d["kind"] == "Job"]
     assert sorted(j["metadata"]["annotations"]["ddpipe.cluster/experiment"] for j in jobs) == ["one", "two"]
@@ -114,8 +119,10 @@ def test_kubernetes_submission_is_an_indexed_job_per_experiment_valid_for_the_ap
     two = next(j for j in jobs if j["metadata"]["annotations"]["ddpipe.cluster/experiment"] == "two")
     assert two["spec"]["completions"] == two["spec"]["parallelism"] == 2
     pod = two["spec"]["template"]["spec"]
+    assert pod["containers"][0]["image"] == IMAGE
     assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 4}
     assert pod["subdomain"] == two["metadata"]["name"]
+    assert pod["securityContext"] == kubernetes.pod_security() and pod["securityContext"]["runAsNonRoot"]  # uid 10001
     # the image's own interpreter, the repository's volume at /workspace and the group's manifest in a ConfigMap: no
     # path of this machine in anything the pods get
     assert pod["containers"][0]["command"][:4] == [kubernetes.IMAGE_PYTHON, "-m", "ddpipe.launch.cluster.job",
@@ -132,6 +139,16 @@ def test_kubernetes_submission_is_an_indexed_job_per_experiment_valid_for_the_ap
     assert {"action": "Ignore", "onExitCodes": {"containerName": "ddpipe", "operator": "In", "values": [75]}} in \
         two["spec"]["podFailurePolicy"]["rules"]
     assert queued_names(repo) == ["one", "two"]  # a dry run submits nothing
+
+
+def test_kubernetes_refuses_a_submission_without_an_image_naming_the_key_and_how_to_make_one() -> None:
+    """cluster.image has no default (a made-up name makes pods that wait for ever): unset or empty, the submission
+    stops before anything is written, naming the key and `make image`."""
+    for unset in (None, ""):
+        with pytest.raises(ClusterError, match=r"queued experiment 'exp': cluster\.image is not set.*make image "
+                                               r"IMAGE=<registry>/ddpipe:<tag>.*cluster\.image=<registry>"):
+            kubernetes.require_image(unset, "exp")
+    assert kubernetes.require_image(IMAGE, "exp") == IMAGE
 
 
 def test_the_pods_manifest_refuses_a_path_their_volume_does_not_hold(tmp_path: Path) -> None:
@@ -276,7 +293,8 @@ def test_a_search_on_slurm_runs_each_trial_as_a_job_of_its_own_resources_and_pru
                          {"train.base_lr": 0.01, "distributed.nnodes": 1},
                          {"train.base_lr": 1e-7, "distributed.nnodes": 1}]}, "a search")
     env = {"SLURM_CONF": str(cluster.conf), **GIT_ENV, "MLFLOW_TRACKING_URI": ""}
-    out = run(["python", "-m", "ddpipe.search", "run", "--cluster"], cwd=repo, env=env, timeout=1800).stdout
+    searched = run(["python", "-m", "ddpipe.search", "run", "--cluster"], cwd=repo, env=env, timeout=1800)
+    out = searched.stdout + searched.stderr  # the driver's lines are messages, on stderr
     assert "slurm job" in out, out
 
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(
@@ -300,7 +318,7 @@ def ssh_remote(tmp_path: Path):
     host key: dvc-ssh verifies it as for any server."""
     sshd = Path("/usr/sbin/sshd")
     if not sshd.exists() or os.geteuid() != 0:
-        pytest.skip("needs Debian's openssh-server and root (make test installs it)")
+        pytest.skip("needs Debian's openssh-server and root (make system-deps installs it)")
     d = tmp_path / "ssh"
     home = tmp_path / "home"
     (home / ".ssh").mkdir(parents=True)

@@ -128,18 +128,37 @@ def test_images_decoded_on_the_device_are_the_workers_images(encoded: Path, poli
 
 
 def test_where_images_are_decoded_resolves_by_device(encoded: Path, prepared: Path) -> None:
-    """auto: on the device on CUDA, in the workers on a CPU; raw data has nothing to decode; the run records
-    which; decoding on the device reads ahead with one worker on CUDA and none on a CPU."""
+    """auto: in the workers, on a CPU and on CUDA alike, until a GPU run shows decoding on the device at least as fast
+    (issue 71: it has never run); device when told; raw data has nothing to decode; the run records which; decoding
+    on the device reads ahead with one worker on CUDA and none on a CPU."""
     cfg = load_config([f"paths.prepared={encoded}", "data.image_size=48"], params_file=None)
     on_cpu = resolve(cfg, CPU)
     assert not on_cpu.decode_on_device and on_cpu.params()["data.decode_on"] == "workers"
-    assert replace(on_cpu, device=torch.device("cuda")).decode_on_device
+    on_cuda = replace(on_cpu, device=torch.device("cuda"))
+    assert not on_cuda.decode_on_device and on_cuda.params()["data.decode_on"] == "workers"
     told = resolve(replace(cfg, data=replace(cfg.data, decode_on="device")), CPU)
     assert told.decode_on_device and told.params()["data.decode_on"] == "device" and told.loader_workers(2) == 0
     assert replace(told, device=torch.device("cuda")).loader_workers(8) == 1
-    assert not replace(on_cpu, device=torch.device("cuda"), meta=load_meta(prepared)).decode_on_device
+    assert not replace(told, device=torch.device("cuda"), meta=load_meta(prepared)).decode_on_device
     with pytest.raises(ConfigError, match="data.decode_on"):
         load_config(["data.decode_on=gpu"], params_file=None)
+
+
+def test_images_decoded_by_the_batched_jpeg_decoder_are_counted(tmp_path: Path) -> None:
+    """decode_jpegs_on counts the images it decoded (what tests/test_gpu.py reads to fail when nvJPEG did not decode,
+    where EncodedBatch.to would fall back to the CPU); a batch it cannot decode raises and counts none."""
+    from torchvision.io import encode_jpeg
+
+    from ddpipe.data import transforms
+
+    files = [encode_jpeg(torch.randint(0, 256, (3, 20 + k, 30), dtype=torch.uint8)) for k in range(3)]
+    before = transforms.decoded_on_device()
+    images = transforms.decode_jpegs_on(CPU, files, 3)
+    assert [tuple(i.shape) for i in images] == [(3, 20 + k, 30) for k in range(3)]
+    assert transforms.decoded_on_device() == before + 3
+    with pytest.raises(RuntimeError):
+        transforms.decode_jpegs_on(CPU, [torch.tensor([0xFF, 0xD8, 0xFF, 0, 1, 2], dtype=torch.uint8)], 3)
+    assert transforms.decoded_on_device() == before + 3
 
 
 def test_loader_workers_never_change_a_batch(encoded: Path) -> None:

@@ -113,6 +113,77 @@ def test_the_manifests_run_the_interpreter_the_containerfile_makes() -> None:
     assert f"UV_PROJECT_ENVIRONMENT={IMAGE_PYTHON.removesuffix('/bin/python')}" in containerfile
 
 
+def _final_user(containerfile: str) -> str:
+    """The USER the image runs as: the last one of the last stage, which must come after its last RUN (the installs
+    run as root). Instructions are the lines that start with a word; continuations are indented."""
+    words = [line.split(None, 1) for line in containerfile.splitlines() if re.match(r"[A-Z]+\s", line)]
+    stage = words[max(i for i, w in enumerate(words) if w[0] == "FROM"):]
+    users = [i for i, w in enumerate(stage) if w[0] == "USER"]
+    assert users and users[-1] > max(i for i, w in enumerate(stage) if w[0] == "RUN"), "no USER after the last RUN"
+    return stage[users[-1]][1].strip()
+
+
+def _pods() -> dict[str, dict]:
+    """Every pod spec of the Kubernetes manifests, by where it comes from: deploy/k8s's, and the Job that `ddpipe
+    cluster submit` writes (:func:`kubernetes.manifests`, validated here against the API's schema too)."""
+    import kubernetes_validate
+
+    from ddpipe.launch.cluster import kubernetes
+
+    pods = {"indexed-job.yaml": _docs("indexed-job.yaml")[1]["spec"]["template"]["spec"]}
+    for name in ("trainjob.yaml", "trainjob-object-store.yaml"):
+        (job,) = _docs(name)
+        (node,) = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+        pods[name] = node["template"]["spec"]["template"]["spec"]
+    cfg = load_config([f"cluster.image={_made_image()}"], params_file=PARAMS)  # no default: a submission names one
+    (_, submitted) = kubernetes.manifests(cfg, "ddpipe-s-0", "s", "exp", "ddpipe-s", 0)
+    kubernetes_validate.validate(submitted, K8S_VERSION, strict=True)
+    pods["ddpipe cluster submit"] = submitted["spec"]["template"]["spec"]
+    return pods
+
+
+def test_the_image_and_every_pod_run_as_one_user_never_root() -> None:
+    """The Containerfile ends as a numeric, non-zero USER (uid:gid) after every install, with a HOME of its own and
+    the repository its own; every pod of the manifests says runAsNonRoot with that uid and group, and fsGroup, which
+    makes the volume writable by it. (`podman run IMAGE id -u` prints it: tests/test_image.py.)"""
+    from ddpipe.launch.cluster.kubernetes import IMAGE_UID
+
+    containerfile = (ROOT / "Containerfile").read_text()
+    uid, _, gid = _final_user(containerfile).partition(":")
+    assert uid.isdigit() and int(uid) == IMAGE_UID != 0 and gid == uid, _final_user(containerfile)
+    assert f"useradd --uid {IMAGE_UID} --gid {IMAGE_UID} --home-dir /home/ddpipe" in containerfile
+    assert "ENV HOME=/home/ddpipe" in containerfile
+    assert f"chown -R {IMAGE_UID}:{IMAGE_UID} /opt/ddpipe/repo" in containerfile
+    for where, pod in _pods().items():
+        assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": IMAGE_UID, "runAsGroup": IMAGE_UID,
+                                          "fsGroup": IMAGE_UID, "fsGroupChangePolicy": "OnRootMismatch"}, where
+        assert all("securityContext" not in c for c in pod["containers"]), where  # no container overrides it
+
+
+def _made_image() -> str:
+    """The name `make image` gives the training image (the Makefile's ``IMAGE ?=``)."""
+    return re.search(r"^IMAGE \?= (\S+)$", (ROOT / "Makefile").read_text(), re.MULTILINE)[1]
+
+
+def test_no_manifest_names_an_image_that_nobody_built() -> None:
+    """A made-up registry's name makes pods that can never pull their image. The manifests name the image `make image`
+    builds (to load into a one-host cluster, or to replace with a registry's name, as their comments and
+    docs/cluster.md say), with a pull policy that uses a loaded image where the API has one; `cluster.image` has no
+    default, and the submission refuses to start without it (tests/test_cluster.py)."""
+    made = _made_image()
+    assert made == "localhost/ddpipe:latest"
+    for path in sorted(K8S.glob("*.yaml")):
+        text = path.read_text()
+        assert "registry.example.com" not in text, path.name
+        images = set(re.findall(r"^\s*image: (\S+)", text, flags=re.MULTILINE))
+        assert images <= {made}, (path.name, images)
+    (_, job) = _docs("indexed-job.yaml")
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert (container["image"], container["imagePullPolicy"]) == (made, "IfNotPresent")
+    assert load_config(params_file=PARAMS).cluster.image is None
+    assert "registry.example.com" not in PARAMS.read_text()
+
+
 def test_k8s_stop_settings_match_the_preemption_code() -> None:
     """The grace period covers torchrun's shutdown timeout; the Job treats exit 75 as "resume me"; the
     container runs ddpipe.launch (PID 1 is the only process the kubelet signals)."""

@@ -166,7 +166,7 @@ def test_one_and_two_processes_with_the_same_global_batch_end_with_equal_weights
     common = ["train.lr_scaling=none", "train.hflip=true", "distributed.exact=true", *recipe]
     run(torchrun(1, *args_for(tmp_path / "one", prepared, *common, "train.batch_size_per_rank=64")))
     two = run(torchrun(2, *args_for(tmp_path / "two", prepared, *common, "train.batch_size_per_rank=32",
-                                    "train.val_every_n_steps=5", "train.keep_checkpoints=20"))).stdout
+                                    "train.val_every_n_steps=5", "train.keep_checkpoints=20"))).stderr
     assert max_rel_diff(weights(tmp_path / "one" / "model.pt"), weights(tmp_path / "two" / "model.pt")) == 0.0
     steps = int(re.search(r"(\d+) steps/epoch", two)[1])
     inside = [(e, s) for e in range(2) for s in range(5, steps, 5)]  # epochs from 0, steps from 1

@@ -60,11 +60,18 @@ def test_the_default_network_exports_onnx_and_int8_that_a_plain_client_scores_as
         trained: list[str], judged_prepared: Path) -> None:
     import onnxruntime as ort
 
-    from ddpipe.export.stage import export
+    from ddpipe.export.stage import export, merge
 
     cfg = load_config([*trained, *TIMED_EXPORT], params_file=PARAMS)
     m = export(cfg)["export"]
-    assert json.loads(Path(cfg.paths.export_metrics).read_text())["export"] == m
+    # the DVC metrics hold what the run's parameters determine, this host's figures lie beside them: both, whole
+    compared, host_figures = (json.loads(Path(p).read_text())
+                              for p in (cfg.paths.export_metrics, cfg.paths.export_host))
+    assert merge(compared, host_figures)["export"] == m
+    assert {k: set(v) for k, v in compared["export"].items() if isinstance(v, dict)} == {
+        "pytorch": {"accuracy", "agreement"}, "onnx": {"accuracy", "agreement", "size_mb"},
+        "int8": {"accuracy", "agreement", "size_mb", "made_for"}}
+    assert set(compared["export"]) - {"pytorch", "onnx", "int8"} == {"num_samples"}
     assert m["onnx"]["agreement"] >= 0.999 and m["onnx"]["max_prob_diff"] < 1e-4
     assert set(m["int8"]["latency_ms"]) == {"batch_1", "batch_8"} and m["int8"]["size_mb"] < m["onnx"]["size_mb"]
     # the INT8 copy is made for the CPU kind it runs on here, and says so
@@ -124,7 +131,7 @@ def test_an_int8_copy_made_for_another_cpu_kind_holds_its_weights_type_and_says_
         out = tmp_path / kind
         cfg = load_config([*trained, f"export.int8_cpu={kind}", f"paths.onnx={out}.onnx",
                            f"paths.onnx_int8={out}.8.onnx", f"paths.export_metrics={out}.json",
-                           "mlflow.log_model=false"], params_file=PARAMS)
+                           f"paths.export_host={out}.host.json", "mlflow.log_model=false"], params_file=PARAMS)
         m = export(cfg)["export"]
         assert m["int8"]["made_for"] == kind
         graph = onnx.load(cfg.paths.onnx_int8)
@@ -134,7 +141,7 @@ def test_an_int8_copy_made_for_another_cpu_kind_holds_its_weights_type_and_says_
         convs = [n for n in graph.graph.node if n.op_type == "Conv"]
         conv_weights = {initializers[dequantized[n.input[1]]].data_type for n in convs}
         assert conv_weights == {onnx.TensorProto.INT8 if INT8_WEIGHTS[kind] == "int8" else onnx.TensorProto.UINT8}
-        said = capsys.readouterr().out
+        said = capsys.readouterr().err
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             OnnxClassifier(cfg.paths.onnx_int8)
@@ -190,7 +197,7 @@ def test_a_broken_export_fails_the_stage_and_leaves_the_previous_export_in_place
     from ddpipe.export import stage
 
     cfg = load_config(trained + ["export.int8=true"], params_file=PARAMS)
-    outputs = (cfg.paths.onnx, cfg.paths.onnx_int8, cfg.paths.export_metrics)
+    outputs = (cfg.paths.onnx, cfg.paths.onnx_int8, cfg.paths.export_host, cfg.paths.export_metrics)
     before = _digests(*outputs)
     real = stage.export_onnx
 
@@ -459,8 +466,8 @@ def test_the_int8_copy_for_cpus_without_vnni_answers_alike_on_an_emulated_avx2_c
         pytest.skip("qemu-x86_64 (Debian's qemu-user, which .ci/run installs) and an x86 host are needed")
     out = tmp_path / "no-vnni"
     cfg = load_config([*trained, "export.int8_cpu=x86-no-vnni", f"paths.onnx={out}.onnx",
-                       f"paths.onnx_int8={out}.8.onnx", f"paths.export_metrics={out}.json", "mlflow.log_model=false"],
-                      params_file=PARAMS)
+                       f"paths.onnx_int8={out}.8.onnx", f"paths.export_metrics={out}.json",
+                       f"paths.export_host={out}.host.json", "mlflow.log_model=false"], params_file=PARAMS)
     m = export(cfg)["export"]  # passed its gates here, or it raised
     labels = np.load(judged_prepared / "test.labels.npy")
     images = judged_prepared / "test.images.npy"

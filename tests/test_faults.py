@@ -193,7 +193,7 @@ def test_pickle_payload_in_the_checkpoint_directory_never_runs(tmp_path: Path, p
     fingerprint = newest.name.split("-")[1]
     run(["python", str(payload), str(newest), fingerprint])
     result = run(["python", "stages/train_worker.py", *args, "num_epochs=2"])
-    assert "cannot be loaded" in result.stderr and "resuming from" in result.stdout
+    assert "cannot be loaded" in result.stderr and "resuming from" in result.stderr
     assert not marker.exists()
     assert torch.load(tmp_path / "model.pt", weights_only=True)["state_dict"]
 
@@ -241,7 +241,8 @@ def test_a_loss_gone_to_inf_stops_every_rank_at_one_step_and_keeps_the_last_good
 
 
 @pytest.mark.slow
-def test_the_environment_is_in_every_runs_record_and_a_changed_lock_shows_in_dvc_status(repro_clone: Path) -> None:
+def test_the_environment_is_in_every_runs_record_and_a_new_runtime_version_shows_in_dvc_status(
+        repro_clone: Path) -> None:
     from mlflow import MlflowClient
 
     client = MlflowClient(f"sqlite:///{repro_clone}/mlflow.db")
@@ -252,8 +253,17 @@ def test_the_environment_is_in_every_runs_record_and_a_changed_lock_shows_in_dvc
         assert r.data.tags["ddpipe.env_lock"] == _digest(repro_clone / "uv.lock")
         assert r.data.tags["ddpipe.env_matches_lock"] == "true"
     assert "up to date" in run(["dvc", "status"], cwd=repro_clone, env=CLONE_ENV).stdout
-    with open(repro_clone / "uv.lock", "a") as lock:
-        lock.write("\n")
-    status = run(["dvc", "status"], cwd=repro_clone, env=CLONE_ENV).stdout
-    for stage in ("fetch", "prepare", "train", "evaluate", "export"):
-        assert re.search(rf"^{stage}:\n(\t.*\n)*?\t\tmodified:\s+uv\.lock$", status, re.MULTILINE), status
+
+    def new_version(package: str) -> str:  # the lock with `package` at another version, the stages' files rewritten
+        lock = repro_clone / "uv.lock"
+        lock.write_text(re.sub(rf'(\[\[package\]\]\nname = "{package}"\nversion = )"[^"]+"', r'\1"999.0.0"',
+                               lock.read_text()))
+        run(["python", "-m", "ddpipe.config", "--stage-env"], cwd=repro_clone, env=CLONE_ENV)
+        return run(["dvc", "status"], cwd=repro_clone, env=CLONE_ENV).stdout
+
+    assert "up to date" in new_version("ruff")  # a dev tool: no stage runs with it
+    status = new_version("torch")  # the stages that import it, or a package that depends on it (fetch: torchvision)
+    for stage in ("fetch", "train", "evaluate", "export"):
+        moved = rf"^{stage}:\n(\t.*\n)*?\t\tmodified:\s+stages/env/{stage}\.txt$"  # dvc status names the file
+        assert re.search(moved, status, re.MULTILINE), status
+    assert not re.search(r"^prepare:", status, re.MULTILINE), status

@@ -94,7 +94,7 @@ def test_fine_tuning_resumes_bit_equal_and_runs_under_two_processes(
     for pos, path in list_checkpoints(mid / "ckpt"):
         if (pos.epoch, pos.step) != (0, 3):
             path.unlink()
-    out = run(["python", "stages/train_worker.py", *finetune_args(mid, prepared, exported, *common)]).stdout
+    out = run(["python", "stages/train_worker.py", *finetune_args(mid, prepared, exported, *common)]).stderr
     assert "at epoch 1, step 3" in out and "epoch 1: the body is frozen" in out
     assert same_weights(weights(mid / "model.pt"), weights(whole / "model.pt"))
     two = tmp_path / "two"
@@ -118,7 +118,7 @@ def test_a_torchvision_network_trains_from_a_torchvision_state_dict(tmp_path: Pa
                    f"model.weights={file}", "num_epochs=1", "mlflow.log_model=false",
                    "mlflow.log_system_metrics=false")
     train(resolve(cfg, this_device()))
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "stem conv1: 3-channel weights summed over RGB" in out and "classifier head fc replaced for 10" in out
     client = MlflowClient(cfg.mlflow.tracking_uri)
     (run_,) = client.search_runs([client.get_experiment_by_name(cfg.mlflow.experiment_name).experiment_id])

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -154,37 +155,48 @@ def test_encoded_images_decoded_by_loader_workers_reach_the_gpu_pinned(tmp_path:
 
 
 def test_jpegs_decoded_on_the_gpu_match_the_workers_and_train(tiny_cfg, tmp_path: Path) -> None:
-    """data.decode_on auto is the device on CUDA: the loader's one worker reads the files into pinned memory,
-    nvJPEG decodes the JPEGs of a batch at once on the GPU (PNGs on the CPU), and the crops, flips and policy
-    taken there give the workers' batches up to the decoders' rounding; a short training reads them."""
+    """data.decode_on=device (auto is the workers until this path is shown as fast: issue 71): the loader's one worker
+    reads the files into pinned memory, nvJPEG decodes the JPEGs of a batch at once on the GPU (PNGs on the CPU), and
+    the crops, flips and policy taken there give the workers' batches up to the decoders' rounding; a short training
+    reads them. nvJPEG must have decoded every JPEG: a batch it refused would be decoded on the CPU with a warning
+    (EncodedBatch.to), which fails here, and the images it decoded are counted."""
     from bench.imageset import generate
     from ddpipe.config.schema import DataConfig
     from ddpipe.data.prepare import prepare
-    from ddpipe.data.transforms import EncodedBatch
+    from ddpipe.data.transforms import JPEG_START, EncodedBatch, decoded_on_device
     from ddpipe.engine.loop import train
 
     src = generate(tmp_path / "imgs", 90, 3)
     prepare(DataConfig(dataset="imagefolder", source_dir=str(src)), 0, tmp_path / "raw", tmp_path / "p", workers=1)
-    base = [f"paths.prepared={tmp_path / 'p'}", "data.image_size=64", "seed=0", "train.batch_size_per_rank=8",
-            "train.random_erasing=0.5"]
+    base = [f"paths.prepared={tmp_path / 'p'}", "data.image_size=64", "seed=0", "train.batch_size_per_rank=8"]
     meta, compute = load_meta(tmp_path / "p"), PrecisionPolicy(CUDA, "bf16", True)
-    run = resolve(load_config(base, params_file=None), CUDA)
+    assert not resolve(load_config(base, params_file=None), CUDA).decode_on_device  # auto: the workers, on CUDA too
+    run = resolve(load_config([*base, "data.decode_on=device", "train.random_erasing=0.5"], params_file=None), CUDA)
     assert run.decode_on_device and run.loader_workers(16) == 1
     on_gpu = run.training_data(meta, compute, rank=0, world_size=1, num_workers=1)
-    cpu = resolve(load_config([*base, "data.decode_on=workers"], params_file=None), CUDA).training_data(
-        meta, compute, rank=0, world_size=1, num_workers=0)
+    cpu = resolve(load_config([*base, "train.random_erasing=0.5", "data.decode_on=workers"], params_file=None),
+                  CUDA).training_data(meta, compute, rank=0, world_size=1, num_workers=0)
+    jpegs, before = 0, decoded_on_device()
     try:
         for (batch, labels, _), (expected, expected_labels, _) in zip(on_gpu.train_batches(0), cpu.train_batches(0)):
             assert isinstance(batch, EncodedBatch) and batch.data.is_pinned()
-            images = batch.to(CUDA, non_blocking=True)
+            jpegs += sum(bytes(f[:3].tolist()) == JPEG_START for f in batch.files())
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # nvJPEG's fallback to the CPU is a warning: here, a failure
+                images = batch.to(CUDA, non_blocking=True)
             assert images.device.type == "cuda" and images.shape == expected.shape
             diff = (images.cpu().int() - expected.int()).abs().float()
             assert diff.mean() < 1.0 and diff.max() <= 32, (diff.mean(), diff.max())
             assert torch.equal(labels, expected_labels)
     finally:
         on_gpu.loader.close()
-    cfg = tiny_cfg(*base[:-1], *NO_MLFLOW, "num_epochs=2")
-    metrics = train(resolve(cfg, CUDA))
+    assert jpegs > 0 and decoded_on_device() - before == jpegs  # every JPEG by nvJPEG, none by the fallback
+    cfg = tiny_cfg(*base, "data.decode_on=device", *NO_MLFLOW, "num_epochs=2")
+    before = decoded_on_device()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="nvJPEG could not decode")
+        metrics = train(resolve(cfg, CUDA))
+    assert decoded_on_device() > before  # the training's batches were decoded by nvJPEG
     assert metrics["val_loss"] == metrics["val_loss"] and metrics["val_loss"] < 10, metrics  # finite
     weights = torch.load(cfg.paths.model, map_location="cpu", weights_only=True)["state_dict"]
     assert all(torch.isfinite(w).all() for w in weights.values() if w.is_floating_point())
@@ -279,5 +291,5 @@ def test_the_launcher_under_torchrun_with_nccl_stops_on_sigterm_and_resumes(tmp_
     assert "--nproc-per-node=1" in first and "backend nccl" in first, first[-3000:]
     resumed = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resuming from" in resumed.stdout
+    assert "resuming from" in resumed.stderr
     assert json.loads((tmp_path / "train.json").read_text())["train"]["epochs"] == 3

@@ -1,6 +1,7 @@
 """The training image (Containerfile), built with podman from a Debian base that debootstrap makes (no registry is
 reachable here), run as a 2-node job of two containers: each container one node, a c10d rendezvous between them.
 SIGTERMed mid-epoch, both exit 75; started again, they resume and end bit-equal to an uninterrupted run of this venv.
+The image runs as its own user (uid 10001), never root. What its build is sent: tests/test_build_context.py (seconds).
 
 Minutes (the base, the build, three trainings): `make test-image` runs it, `make test` leaves it out (marker image).
 Where podman cannot run it skips, saying why."""
@@ -8,7 +9,6 @@ Where podman cannot run it skips, saying why."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -18,12 +18,16 @@ import pytest
 import torch
 
 from ddpipe.core.exits import EXIT_PREEMPTED
+from ddpipe.launch.cluster.kubernetes import IMAGE_UID
 from tests.conftest import (
     CLONE_ENV,
+    CONTAINERS_CONF,
     ROOT,
     STOPPED,
     args_for,
     free_port,
+    podman,
+    podman_unavailable,
     run,
     same_weights,
     wait_for_step_checkpoint,
@@ -32,7 +36,6 @@ from tests.conftest import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.image]
 
-CONF = ROOT / "deploy" / "podman" / "containers.conf"
 BASE, IMAGE = "localhost/ddpipe-base:bookworm", "localhost/ddpipe:test"
 # The image's own interpreter (Containerfile), never a path of this host
 PYTHON = "/opt/ddpipe/venv/bin/python"
@@ -41,26 +44,11 @@ TRAINING = ("num_epochs=3", "train.batch_size_per_rank=16", "distributed.threads
             "train.checkpoint_every_steps=2")
 
 
-def podman(*args: str, check: bool = True, timeout: float = 1800) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CONTAINERS_CONF": str(CONF)}
-    out = subprocess.run(["podman", *args], capture_output=True, text=True, env=env, timeout=timeout)
-    if check and out.returncode != 0:
-        raise AssertionError(f"podman {' '.join(args[:3])} exited {out.returncode}:\n{out.stdout[-3000:]}"
-                             f"\n{out.stderr[-3000:]}")
-    return out
-
-
 @pytest.fixture(scope="module")
 def image() -> str:
     """The image, built by `make image` from the debootstrap base (`make image-base`), once per run."""
-    if os.geteuid() != 0:
-        pytest.skip("podman here runs as root (rootless needs subuids this host does not give)")
-    missing = [tool for tool in ("podman", "runc", "debootstrap") if not shutil.which(tool)]
-    if missing:
-        pytest.skip(f"{', '.join(missing)} not installed (make image-deps)")
-    info = podman("info", check=False, timeout=120)
-    if info.returncode != 0:
-        pytest.skip(f"podman cannot run here: {info.stderr.strip()[-500:]}")
+    if why := podman_unavailable("debootstrap"):
+        pytest.skip(why)
     run(["make", "image-base"], cwd=ROOT, timeout=1800)
     run(["make", "image", f"IMAGE={IMAGE}", f"IMAGE_BASE={BASE}"], cwd=ROOT, timeout=1800)
     return IMAGE
@@ -68,16 +56,17 @@ def image() -> str:
 
 def node(image: str, name: str, mounts: list[Path], args: list[str], names: list[str]) -> subprocess.Popen:
     """One node of the job: a container of ``image`` on the host's network running ddpipe's launcher under an init
-    that passes signals on, with ``mounts`` at their own paths. A hostname of its own, as a node has: the c10d
-    rendezvous tells its agents apart by hostname and pid, and in their own pid namespaces both agents are pid 9; and
-    every node's name resolves to an address of its own (``names``: 127.0.0.2, 127.0.0.3, ..., this host's loopback),
-    as a cluster's DNS makes them: the node that hosts rank 0 gives its hostname as the workers' master address, and
-    an agent names itself by the host its hostname's address resolves back to."""
-    volumes = [arg for m in mounts for arg in ("-v", f"{m}:{m}")]
+    that passes signals on, with ``mounts`` at their own paths (made its user's: the image does not run as root). A
+    hostname of its own, as a node has: the c10d rendezvous tells its agents apart by hostname and pid, and in their
+    own pid namespaces both agents are pid 9; and every node's name resolves to an address of its own (``names``:
+    127.0.0.2, 127.0.0.3, ..., this host's loopback), as a cluster's DNS makes them: the node that hosts rank 0 gives
+    its hostname as the workers' master address, and an agent names itself by the host its hostname's address
+    resolves back to."""
+    volumes = [arg for m in mounts for arg in ("-v", f"{m}:{m}:U")]
     hosts = [arg for i, other in enumerate(names) for arg in ("--add-host", f"{other}:127.0.0.{i + 2}")]
     cmd = ["podman", "run", "--name", name, "--hostname", name, *hosts, "--init", "--network", "host", *volumes, image,
            PYTHON, "-m", "ddpipe.launch", *args]
-    return subprocess.Popen(cmd, env={**os.environ, "CONTAINERS_CONF": str(CONF)}, stdout=subprocess.PIPE,
+    return subprocess.Popen(cmd, env={**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -99,6 +88,15 @@ def test_the_image_holds_the_lock_and_names_no_host_path(image: str) -> None:
     assert interpreter == PYTHON and package.startswith("/opt/ddpipe/venv/") and matches == "true", said
     config = podman("image", "inspect", image, "--format", "{{.Config.Env}} {{.Config.WorkingDir}}").stdout
     assert str(ROOT) not in config and sys.prefix not in config, config
+
+
+def test_the_image_runs_as_its_own_user_who_owns_the_repository_and_home(image: str) -> None:
+    """Not root: the Containerfile's uid (the one the Kubernetes manifests name), writing where DVC and the stages
+    write (the repository) and in its HOME; the environment is root's, read-only to it."""
+    said = podman("run", "--rm", image, "sh", "-c",
+                  'id -u; id -g; echo "$HOME"; touch /opt/ddpipe/repo/.written "$HOME/.written" && echo written; '
+                  'test -w /opt/ddpipe/venv/bin || echo venv-read-only').stdout.split()
+    assert said == [str(IMAGE_UID), str(IMAGE_UID), "/home/ddpipe", "written", "venv-read-only"], said
 
 
 def test_two_containers_train_as_two_nodes_stop_with_75_and_resume_bit_equal(image: str, tmp_path: Path,

@@ -3,11 +3,13 @@ same predictions as the evaluate stage; served for real by `mlflow models serve`
 
 from __future__ import annotations
 
+import importlib.machinery
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -164,9 +166,9 @@ def test_a_network_of_ones_own_trains_evaluates_and_is_served_from_another_direc
     args = args_for(tmp_path, prepared, "num_epochs=1", "model.name=mynets:TinyNet", "model.kwargs.hidden=6",
                     "mlflow.log_model=true")
     trained = run(["python", str(ROOT / "stages" / "train_worker.py"), *args], cwd=repo)
-    assert "network mynets:TinyNet at 28x28" in trained.stdout
+    assert "network mynets:TinyNet at 28x28" in trained.stderr
     evaluated = run(["python", str(ROOT / "stages" / "evaluate.py"), *args], cwd=repo)
-    assert float(evaluated.stdout.split("test accuracy ")[1].split(",")[0]) > 0.5
+    assert float(evaluated.stderr.split("test accuracy ")[1].split(",")[0]) > 0.5
     for stage in (trained, evaluated):  # MLflow has nothing to warn about the logged model
         assert "Add type hints" not in stage.stderr and "Inferred schema contains integer" not in stage.stderr
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -221,17 +223,134 @@ def test_the_model_is_logged_as_code_without_a_pickle_or_a_warning(tmp_path: Pat
     answer = served.predict(_images(5))
     assert answer["label"].tolist() == expected["label"].tolist()
     assert np.array_equal(np.stack(answer["probabilities"]), np.stack(expected["probabilities"]))
+    # loaded here, its code/ first on sys.path: ddpipe found there is still this checkout's (commit 8819018's cause)
+    assert importlib.machinery.PathFinder.find_spec("ddpipe", sys.path).origin == str(ROOT / "src/ddpipe/__init__.py")
+    package = mlflow.models.Model.load(str(local)).metadata["ddpipe_package"]
+    assert type(served.unwrap_python_model()).__module__ == f"{package}.models.served"
     (version,) = mlflow.MlflowClient().search_model_versions("name = 'code-model'")
     assert version.tags["run_id"] == run.info.run_id == version.run_id and version.tags["git_commit"] == "abc123"
     # where ddpipe is not installed: the model carries it (its own copy answers), its requirements pinned
     labels, origin = predict_without_ddpipe(f"models:/code-model/{version.version}", f"sqlite:///{tmp_path}/mlflow.db",
                                             _images(5), tmp_path / "bare")
-    assert labels == expected["label"].tolist() and not origin.startswith(str(ROOT)), origin
+    assert labels == expected["label"].tolist() and origin.endswith(f"/code/{package}/models/served.py"), origin
     requirements = (local / "requirements.txt").read_text().split()
     assert {r.split("==")[0] for r in requirements} >= {"torch", "torchvision", "numpy", "pandas"}, requirements
     assert all("==" in r for r in requirements if not r.startswith("mlflow")), requirements
     # not this repository's lock, on which `--env-manager uv` would build ddpipe itself
     assert not (local / "uv.lock").exists() and not (local / "pyproject.toml").exists()
+
+
+# Another ddpipe installed, first on the path: version 9.9.9, whose packages raise if anything imports them
+OTHER_DDPIPE = {
+    "ddpipe/__init__.py": '__version__ = "9.9.9"\n',
+    **{f"ddpipe/{name}/__init__.py": f'raise ImportError("ddpipe 9.9.9\'s {name} was imported")\n'
+       for name in ("core", "config", "data", "models")},
+    "ddpipe-9.9.9.dist-info/METADATA": "Metadata-Version: 2.1\nName: ddpipe\nVersion: 9.9.9\n",
+}
+# Loads a logged model (argv[1]), answers images (argv[2]), then says which ddpipe `import ddpipe` gives, here and in a
+# process it spawns (multiprocessing hands the child its sys.path, the model's code/ included)
+BESIDE_ANOTHER = """
+import json, multiprocessing, sys
+
+
+def ddpipe_here():
+    import ddpipe
+    return ddpipe.__file__, ddpipe.__version__
+
+
+if __name__ == "__main__":
+    import importlib.metadata
+    import mlflow.pyfunc, numpy as np
+
+    model = mlflow.pyfunc.load_model(sys.argv[1])
+    answer = model.predict(np.load(sys.argv[2]))
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        spawned = pool.apply(ddpipe_here)
+    print(json.dumps({"probabilities": answer["probabilities"].tolist(),
+                      "served_by": type(model.unwrap_python_model()).__module__,
+                      "installed": importlib.metadata.version("ddpipe"), "here": ddpipe_here(), "spawned": spawned}))
+"""
+
+
+def test_a_logged_model_runs_its_own_code_beside_another_installed_ddpipe_and_shadows_it_nowhere(
+        tmp_path: Path) -> None:
+    """Another ddpipe installed first on the path (9.9.9, whose packages raise when imported): the logged model loads
+    and answers from the copy of ddpipe it carries, exactly as the classifier that logged it; afterwards `import ddpipe`
+    in that process and in a process it spawns still gives the installed 9.9.9 (why commit 8819018 reverted b54f132:
+    MLflow prepends a model's code/ to sys.path). The model's metadata names its code: ddpipe's version and the digest
+    of the carried source."""
+    import mlflow
+
+    import ddpipe
+    from ddpipe.models.carried import code_digest
+    from ddpipe.models.served import log_pyfunc
+
+    torch.manual_seed(1)
+    model_cfg = ModelConfig(name="resnet_small", width=8)
+    meta = {"num_channels": 1, "classes": [f"c{i}" for i in range(10)], "mean": [0.3], "std": [0.35],
+            "image_size": [28, 28], "encoding": "raw"}
+    save_model(build_model(model_cfg, 1, 10).state_dict(), model_cfg, meta, tmp_path / "m.pt",
+               extra={"exported_epoch": 1})
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = mlflow.create_experiment("beside", artifact_location=(tmp_path / "artifacts").as_uri())
+    run_id = mlflow.MlflowClient().create_run(experiment).info.run_id
+    log_pyfunc(mlflow, run_id, tmp_path / "m.pt", _images(2), "resnet_small", None, "abc123")
+    local = mlflow.artifacts.download_artifacts(f"runs:/{run_id}/model", dst_path=str(tmp_path / "dl"))
+    digest = code_digest()
+    package = f"ddpipe_{digest[:16]}"
+    recorded = mlflow.models.Model.load(local).metadata
+    assert {key: recorded.get(key) for key in ("ddpipe_version", "ddpipe_code_digest", "ddpipe_package")} == {
+        "ddpipe_version": ddpipe.__version__, "ddpipe_code_digest": digest, "ddpipe_package": package}
+    assert (Path(local) / "code" / package / "models" / "served.py").is_file()
+    assert not (Path(local) / "code" / "ddpipe").exists()
+    for name, text in OTHER_DDPIPE.items():
+        (tmp_path / "other" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "other" / name).write_text(text)
+    np.save(tmp_path / "images.npy", _images(5))
+    (tmp_path / "beside.py").write_text(BESIDE_ANOTHER)
+    (tmp_path / "elsewhere").mkdir()
+    said = run([sys.executable, str(tmp_path / "beside.py"), local, str(tmp_path / "images.npy")],
+               cwd=tmp_path / "elsewhere", env={"PYTHONPATH": str(tmp_path / "other"), "MLFLOW_TRACKING_URI": ""})
+    answer = json.loads(said.stdout.strip().splitlines()[-1])
+    expected = ImageClassifier.load(tmp_path / "m.pt").predict(_images(5))["probabilities"]
+    assert np.array_equal(np.array(answer["probabilities"]), expected)
+    assert answer["served_by"] == f"{package}.models.served" and answer["installed"] == "9.9.9"
+    other = str(tmp_path / "other" / "ddpipe" / "__init__.py")
+    assert answer["here"] == answer["spawned"] == [other, "9.9.9"], answer
+
+
+def test_the_carried_copys_imports_of_ddpipe_are_renamed_and_nothing_else() -> None:
+    from ddpipe.models.carried import renamed_imports
+
+    source = """import ddpipe_other
+from ddpipe.core.files import atomic_write  # from ddpipe.x import y, in a comment: left
+from ddpipe import LAYERS
+from  ddpipe.data import (
+    store,
+)
+import os, ddpipe.models.nets as nets
+TEXT = "from ddpipe.models import served"
+
+
+def f() -> None:
+    s = "é"; from ddpipe.models.saved import load_model  # a column after a 2-byte character
+"""
+    renamed = """import ddpipe_other
+from ddpipe_0123.core.files import atomic_write  # from ddpipe.x import y, in a comment: left
+from ddpipe_0123 import LAYERS
+from  ddpipe_0123.data import (
+    store,
+)
+import os, ddpipe_0123.models.nets as nets
+TEXT = "from ddpipe.models import served"
+
+
+def f() -> None:
+    s = "é"; from ddpipe_0123.models.saved import load_model  # a column after a 2-byte character
+"""
+    assert renamed_imports(source.encode(), "ddpipe_0123").decode() == renamed
+    with pytest.raises(ValueError, match="x.py:1: `import ddpipe.core` binds the name ddpipe"):
+        renamed_imports(b"import ddpipe.core\n", "ddpipe_0123", "x.py")
 
 
 def test_eval_flips_average_the_mirror_images_logits(tmp_path: Path) -> None:

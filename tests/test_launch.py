@@ -64,7 +64,7 @@ def test_mistakes_that_need_the_node_or_the_data_fail_before_torchrun(prepared: 
     proc = subprocess.run([sys.executable, "-m", "ddpipe.launch", *args_for(tmp_path, prepared, bad)],
                           cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert message in proc.stderr and "torch.distributed.run" not in proc.stdout
+    assert message in proc.stderr and "torch.distributed.run" not in proc.stdout + proc.stderr
 
 
 def test_nproc_is_refused_above_the_cores_of_a_cpu_node(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,7 +158,7 @@ def test_a_wheel_installed_outside_the_checkout_trains(tmp_path: Path, prepared:
     trained = subprocess.run([python, "-m", "ddpipe.launch", *args_for(out, prepared, "num_epochs=1")], cwd=elsewhere,
                              env=env, capture_output=True, text=True, timeout=600)
     assert trained.returncode == 0, trained.stderr[-4000:]
-    assert "-m ddpipe.launch.worker" in trained.stdout and (out / "model.pt").is_file(), trained.stdout[-2000:]
+    assert "-m ddpipe.launch.worker" in trained.stderr and (out / "model.pt").is_file(), trained.stderr[-2000:]
 
 
 def test_a_failed_ranks_error_file_is_written_whole_or_not_at_all(tmp_path: Path,

@@ -1,12 +1,15 @@
 """Checkpoints and MLflow's artifacts in object storage (SeaweedFS's S3 API on 127.0.0.1, as `make remote` starts it):
 with ``paths.checkpoints = s3://...``, two nodes that share no disk stop on SIGTERM and resume from the store
-bit-equal, a store killed in the middle of a checkpoint's upload leaves the last whole one, which the next run resumes
-from, and a store that is down, a wrong key or a missing bucket is named before any training starts; the team's
-tracking server keeps a registered model's files in the bucket and serves them to a client that holds no key of it.
-(The DVC remote on the same store: tests/test_remote.py.)"""
+bit-equal, a store away for a minute is a pause of the checkpoints and the run ends as if it never stopped, a store
+killed in the middle of a checkpoint's upload and away past the stated time stops the training (exit 75) with the last
+whole one, which the next run resumes from, and a store that is down, a wrong key or a missing bucket is named before
+any training starts; the team's tracking server keeps a registered model's files in the bucket and serves them to a
+client that holds no key of it. (The DVC remote on the same store: tests/test_remote.py.)"""
 
 from __future__ import annotations
 
+import functools
+import io
 import json
 import os
 import re
@@ -15,16 +18,21 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from ddpipe.core.exits import EXIT_PREEMPTED
+from ddpipe.core import claims, store_lease
+from ddpipe.core.exits import EXIT_PREEMPTED, StoreAway
 from ddpipe.core.objectstore import Store, StoreFolder, dvc_remotes
+from ddpipe.core.ranks import DistInfo
+from ddpipe.engine.checkpoint import Checkpointer, Position, load_latest
 from tests.conftest import (
     CLONE_ENV,
     ROOT,
@@ -189,14 +197,27 @@ class CuttingProxy:
                 pass
 
 
+def stated_time(tmp: Path, seconds: float) -> dict[str, str]:
+    """The environment in which every Python process (the launcher, torchrun, its workers) reads
+    ddpipe.core.objectstore.STORE_OUTAGE_S as ``seconds``: a sitecustomize on PYTHONPATH, a process tree's
+    monkeypatch."""
+    site = tmp / "stated-time"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(f"from ddpipe.core import objectstore\n"
+                                           f"objectstore.STORE_OUTAGE_S = {float(seconds)!r}\n")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, (str(site), os.environ.get("PYTHONPATH"))))}
+
+
 @pytest.mark.slow
 def test_a_store_killed_during_a_checkpoint_upload_leaves_the_last_whole_one_and_the_training_resumes_there(
         tmp_path: Path, prepared: Path, uninterrupted: dict[str, torch.Tensor],
         tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The store (one of its own) is SIGKILLed when half of epoch 2's step-8 checkpoint has gone up. The training
-    retries with backoff, then stops, naming the store and the checkpoint (exit 1); the store, started again, holds no
-    part of that checkpoint; the same command resumes from the whole one before it (step 4) and ends with the weights
-    of the run straight through."""
+    """The store (one of its own) is SIGKILLed when half of epoch 2's step-8 checkpoint has gone up, and stays away
+    past the time a training waits for it (STORE_OUTAGE_S, 5 s here). The training retries with backoff, then stops,
+    naming the store, how long it was away, the checkpoint not written and the newest whole one there; the launcher
+    exits 75 (EXIT_PREEMPTED: a scheduler runs it again). The store, started again, holds no part of that checkpoint;
+    the same command resumes from the whole one before it (step 4) and ends with the weights of the run straight
+    through."""
     from deploy.object_store import start, state
 
     own = start_object_store(tmp_path_factory.mktemp("killed-store"))
@@ -206,11 +227,16 @@ def test_a_store_killed_during_a_checkpoint_upload_leaves_the_last_whole_one_and
     proxy = CuttingProxy(port, b"-e0001-s000008", lambda: os.killpg(served["pid"], signal.SIGKILL))
     cmd = [sys.executable, "-m", "ddpipe.launch", *args_for(tmp_path, prepared, *ONE, f"paths.checkpoints={url}")]
     try:
-        cut = run(cmd, env={**CLONE_ENV, **object_store_env(own, proxy.port)}, check=False, timeout=300)
+        cut = run(cmd, env={**CLONE_ENV, **object_store_env(own, proxy.port), **stated_time(tmp_path, 5)},
+                  check=False, timeout=300)
         said = cut.stdout + cut.stderr
-        assert proxy.done.is_set() and cut.returncode == 1, said[-4000:]
+        assert proxy.done.is_set() and cut.returncode == EXIT_PREEMPTED, said[-4000:]
         assert "writing ckpt-" in said and f"-e0001-s000008.pt to {url}" in said, said[-4000:]
-        assert "failed 6 times" in said and "its newest whole checkpoint kept there" in said, said[-4000:]
+        store_words = f"the store of paths.checkpoints ({url}, endpoint http://127.0.0.1:{proxy.port})"
+        assert f"ddpipe.launch: {store_words} has been away for " in said, said[-4000:]
+        assert "the checkpoint at step 8 of epoch 2 is not written (writing ckpt-" in said, said[-4000:]
+        assert "failed 6 times over 15.5 s" in said, said[-4000:]
+        assert re.search(r"; the newest whole checkpoint there is ckpt-\w+-e0001-s000004\.pt", said), said[-4000:]
         assert "objectstore.py" not in said, said[-4000:]  # no traceback of ours (torchrun prints its summary)
 
         start(own, port, "ddpipe")  # the store again, on its data
@@ -221,6 +247,123 @@ def test_a_store_killed_during_a_checkpoint_upload_leaves_the_last_whole_one_and
         assert same_weights(weights(tmp_path / "model.pt"), uninterrupted)
     finally:
         run([sys.executable, str(ROOT / "deploy" / "object_store.py"), "stop", "--dir", str(own)], check=False)
+
+
+# How long the store is away in the test of an outage in mid-training: the minute that, before issue 69, cost the job
+OUTAGE_S = 60
+
+
+@pytest.mark.slow
+def test_a_store_away_for_a_minute_in_mid_training_is_a_pause_and_the_run_ends_as_if_never_stopped(
+        tmp_path: Path, prepared: Path, uninterrupted: dict[str, torch.Tensor],
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The store (one of its own) is SIGKILLed once the first checkpoint of epoch 2 is in it, and started again on its
+    data and port a minute later. Meanwhile the training goes on to its end, saying once that the store is away and its
+    checkpoints are skipped, then waits for the store to take its last one; the store back, it says so, writes it and
+    ends 0 with the weights of the run straight through. The store holds the checkpoints written before the outage
+    and the last one, each whole, and none of those the outage skipped."""
+    from deploy.object_store import start, state
+
+    own = start_object_store(tmp_path_factory.mktemp("away-store"))
+    served = state(own)
+    port = int(served["endpoint"].rsplit(":", 1)[1])
+    url = f"s3://ddpipe/checkpoints/{tmp_path.name}"
+    cmd = [sys.executable, "-m", "ddpipe.launch", *args_for(tmp_path, prepared, *ONE, f"paths.checkpoints={url}")]
+    with open(tmp_path / "log.txt", "w") as log:
+        training = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env({**CLONE_ENV, **object_store_env(own)}),
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_for(own, url, "-e0001-", lambda: training.poll() is None)
+        before = {n for n in _names(own, url) if n.startswith("ckpt-")}
+        os.killpg(served["pid"], signal.SIGKILL)
+        time.sleep(OUTAGE_S)
+        assert training.poll() is None, (tmp_path / "log.txt").read_text()[-4000:]  # waiting for the store
+        start(own, port, "ddpipe")  # the store again, on its data and port
+        code = training.wait(timeout=300)
+        said = (tmp_path / "log.txt").read_text()
+        assert code == 0, said[-4000:]
+        store_words = f"the store of paths.checkpoints ({url}, endpoint {served['endpoint']})"
+        order = [said.find(f"{store_words} is away since"), said.find("epoch 3/3:"),
+                 said.find("waiting for it to take the checkpoint after epoch 3"),
+                 said.find(f"{store_words} is back after")]
+        assert -1 not in order and order == sorted(order), (order, said[-4000:])  # it trained on meanwhile
+        assert said.count("is not written; the training goes on") == 1, said[-4000:]  # said once
+        assert int(re.search(r"is back after (\d+) s", said)[1]) >= OUTAGE_S - 20, said[-4000:]  # type: ignore[index]
+        assert same_weights(weights(tmp_path / "model.pt"), uninterrupted)
+        after = {n for n in _names(own, url) if n.startswith("ckpt-")}
+        (last,) = [n for n in after if "-e0003-s000000" in n]
+        assert before < after and not any("-e0002-" in n for n in after), after  # epoch 3's were skipped
+        fp, place = last.split("-")[1], StoreFolder(url, _store(own))
+        assert load_latest(place, fp)[0] == Position(3, 0)  # type: ignore[index]
+        assert all(torch.load(io.BytesIO(place.read(n)), weights_only=True)["fingerprint"] == fp
+                   for n in after)  # each whole
+    finally:
+        kill_all(str(tmp_path))
+        run([sys.executable, str(ROOT / "deploy" / "object_store.py"), "stop", "--dir", str(own)], check=False)
+
+
+def test_a_store_that_never_comes_back_is_a_pause_until_its_stated_time_then_every_rank_stops(
+        store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """A Checkpointer whose store goes away after its first checkpoint and never comes back (a proxy in front of it,
+    closed), the stated time (STORE_OUTAGE_S) shrunk to 3 s: the next checkpoint is skipped, said once naming the
+    store and the newest whole checkpoint there, and the training goes on; its last checkpoint is waited for until
+    3 s after the store went away, then StoreAway names the store, how long it was away, the checkpoint not written
+    and that newest whole one, as it does at a checkpoint due after that. The store holds that first checkpoint
+    alone, whole, with the weights it was written with."""
+    from ddpipe.core import objectstore
+
+    monkeypatch.setattr(objectstore, "STORE_OUTAGE_S", 3.0)
+    monkeypatch.setattr(objectstore, "RETRY_DELAYS_S", (0.05,))  # a refused request takes 0.2-0.4 s here
+    port = int(object_store_env(store)["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    proxy = CuttingProxy(port, b"\0", lambda: None)  # cuts no upload: closed below, by hand
+    for name, value in object_store_env(store, proxy.port).items():
+        monkeypatch.setenv(name, value)
+    url, fp = f"s3://ddpipe/never-back/{tmp_path.name}", "0123456789ab"
+    model = torch.nn.Linear(4, 2)
+    saver = Checkpointer(url, fp, keep=10, info=DistInfo())
+    saver.save(Position(0, 4), {"model": model})
+    written = {k: v.clone() for k, v in model.state_dict().items()}
+    proxy._cut()  # the store is away, for good
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    saver.save(Position(0, 8), {"model": model})  # skipped: the training goes on
+    said = capsys.readouterr().err
+    store_words = f"the store of paths.checkpoints ({url}, endpoint http://127.0.0.1:{proxy.port})"
+    newest = f"the newest whole checkpoint there is ckpt-{fp}-e0000-s000004.pt"
+    assert f"{store_words} is away since" in said and newest in said, said
+    assert "the checkpoint at step 8 of epoch 1 is not written; the training goes on" in said, said
+    started = time.monotonic()
+    with pytest.raises(StoreAway) as stopped:
+        saver.flush()
+    assert time.monotonic() - started < 8, "the wait ends 3 s after the store went away"
+    assert "waiting for it to take the checkpoint at step 8 of epoch 1" in capsys.readouterr().err
+    why = str(stopped.value)
+    assert re.match(rf"{re.escape(store_words)} has been away for \d+ s \(since [\d:]+\), 3 s or more", why), why
+    assert "the checkpoint at step 8 of epoch 1 is not written (" in why and newest in why, why
+    with pytest.raises(StoreAway, match="the checkpoint at step 12 of epoch 1 is not written"):
+        saver.save(Position(0, 12), {"model": model})
+    place = StoreFolder(url, _store(store))
+    assert place.names() == [f"ckpt-{fp}-e0000-s000004.pt"]
+    pos, state = load_latest(place, fp)
+    assert pos == Position(0, 4) and same_weights(state["model"], written)
+
+
+def test_a_training_stopped_for_its_store_exits_75_and_so_does_its_launcher(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """A worker stopped by StoreAway says why and exits 75, leaving the reason for its launcher, whose torchrun exits
+    1 whatever its workers' codes: the launcher says it again and exits 75, which SLURM's scripts and the Kubernetes
+    jobs requeue on. Without that note, torchrun's code stands."""
+    from ddpipe.core.environment import PAUSE_NOTE_ENV
+    from ddpipe.launch import torchrun, worker
+
+    note = tmp_path / "paused"
+    monkeypatch.setenv(PAUSE_NOTE_ENV, str(note))
+    why = "the store of paths.checkpoints (s3://ddpipe/x, endpoint http://127.0.0.1:1) has been away for 301 s"
+    with pytest.raises(SystemExit) as ended:
+        worker.paused(why)
+    assert ended.value.code == EXIT_PREEMPTED and f"training stopped: {why}" in capsys.readouterr().err
+    assert torchrun.paused(1, note) == EXIT_PREEMPTED and f"ddpipe.launch: {why}" in capsys.readouterr().err
+    assert torchrun.paused(0, note) == 0 and torchrun.paused(1, tmp_path / "no-note") == 1
 
 
 def test_a_store_that_is_down_refuses_the_key_or_lacks_the_bucket_is_named_before_training(
@@ -240,41 +383,205 @@ def test_a_store_that_is_down_refuses_the_key_or_lacks_the_bucket_is_named_befor
     assert "does not answer" in refused("s3://ddpipe/ckpt", AWS_ENDPOINT_URL=f"http://127.0.0.2:{free_port()}")
 
 
+# A lease's times shortened for the tests (ddpipe.core.store_lease; the store's clock counts whole seconds)
+SHORT_LEASE = {"LEASE_RENEW_S": 0.2, "LEASE_TTL_S": 3.0, "LEASE_BACKOFF_S": 0.2}
+
+
+def _short_leases(monkeypatch: pytest.MonkeyPatch, conditions: str = "honoured") -> None:
+    """This process's leases with :data:`SHORT_LEASE`'s times; ``conditions="ignored"``: on a store that ignores
+    conditional writes (its client drops the headers, as such a store does)."""
+    for name, value in SHORT_LEASE.items():
+        monkeypatch.setattr(store_lease, name, value)
+    plain = Store.client
+
+    @functools.cache  # one client per store (a new one costs 0.1-0.4 s of CPU), shared by threads as botocore allows
+    def client(store: Store) -> Any:
+        return _dropping_conditions(plain(store)) if conditions == "ignored" else plain(store)
+    monkeypatch.setattr(Store, "client", lambda self: client(self))
+
+
+def _dropping_conditions(client: Any) -> Any:
+    drop = lambda params, **_: [params.pop(k, None) for k in ("IfMatch", "IfNoneMatch")]  # noqa: E731
+    client.meta.events.register("before-parameter-build.s3.PutObject", drop)
+    return client
+
+
 def test_one_training_per_checkpoint_place_in_the_store_by_a_lease_renewed_from_its_own_thread(
         store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """A live holder's lease refuses a second training, naming it; one of another host renewed within the lease's time
-    too (saying when it lapses); one not renewed for that long, or of a process of this host that has ended, is taken
-    over, saying so; the holder renews it on its own; released, it is gone."""
+    too (saying when it lapses); one the store last wrote longer ago than that (by the store's clock), or of a process
+    of this host that has ended, is taken over, saying so; the holder renews it on its own; released, it is gone."""
     from dataclasses import asdict, replace
 
-    from ddpipe.core import claims
-
-    monkeypatch.setattr(claims, "LEASE_RENEW_S", 0.2)
-    monkeypatch.setattr(claims, "LEASE_SETTLE_S", 0.1)
+    _short_leases(monkeypatch)
     place = StoreFolder(f"s3://ddpipe/leases/{tmp_path.name}", _store(store))
-    first = claims.StoreLease.take(place, "paths.checkpoints", "rank 0")
+    first = store_lease.StoreLease.take(place, "paths.checkpoints", "rank 0")
     try:
-        renewed = json.loads(place.read(claims.LEASE_NAME))["renewed"]
+        beat = json.loads(place.read(store_lease.LEASE_NAME))["beat"]
         time.sleep(0.6)
-        assert json.loads(place.read(claims.LEASE_NAME))["renewed"] > renewed  # its thread renews it
+        assert json.loads(place.read(store_lease.LEASE_NAME))["beat"] > beat  # its thread renews it
         with pytest.raises(claims.InUse, match=rf"in use by another training: pid {os.getpid()}, rank 0"):
-            claims.StoreLease.take(place, "paths.checkpoints", "rank 0")
+            store_lease.StoreLease.take(place, "paths.checkpoints", "rank 0")
     finally:
         first.release()
-    assert claims.LEASE_NAME not in place.names()
+    assert store_lease.LEASE_NAME not in place.names()
 
-    def leave(holder: claims.Holder, age_s: float) -> None:
-        record = {"holder": asdict(holder), "renewed": time.time() - age_s}
-        place.write(claims.LEASE_NAME, lambda f: f.write(json.dumps(record).encode()))
+    def leave(holder: claims.Holder) -> None:
+        lease = {"holder": asdict(holder), "beat": 1}
+        place.write(store_lease.LEASE_NAME, lambda f: f.write(json.dumps(lease).encode()))
 
-    elsewhere = replace(claims.Holder.this("rank 0", "t0"), host="node-elsewhere")
-    leave(elsewhere, 10)
-    with pytest.raises(claims.InUse, match=r"on host node-elsewhere.*lapses 80 s from now"):
-        claims.StoreLease.take(place, "paths.checkpoints", "rank 0")
-    for gone in (replace(elsewhere, token="t1"), replace(claims.Holder.this("rank 0", "t2"), pid=2**22 + 7)):
-        leave(gone, claims.LEASE_TTL_S + 1 if gone.host == "node-elsewhere" else 0)
-        claims.StoreLease.take(place, "paths.checkpoints", "rank 0").release()
-        assert "taking over" in capsys.readouterr().err
+    leave(replace(claims.Holder.this("rank 0", "t0"), host="node-elsewhere"))
+    with pytest.raises(claims.InUse, match=r"on host node-elsewhere.*lapses [0-3] s from now"):
+        store_lease.StoreLease.take(place, "paths.checkpoints", "rank 0")
+    deadline = time.monotonic() + 30
+    while True:  # lapsed by the store's clock: taken over
+        try:
+            store_lease.StoreLease.take(place, "paths.checkpoints", "rank 0").release()
+            break
+        except claims.InUse:
+            assert time.monotonic() < deadline, "the lease of node-elsewhere never lapsed"
+            time.sleep(0.2)
+    assert "taking over" in (said := capsys.readouterr().err) and "s ago by the store's clock" in said, said
+    leave(replace(claims.Holder.this("rank 0", "t2"), pid=2**22 + 7))  # a process of this host that has ended
+    store_lease.StoreLease.take(place, "paths.checkpoints", "rank 0").release()
+    assert "taking over" in capsys.readouterr().err
+
+
+# A training's rank 0 as far as the store sees it: it takes the lease (its times SHORT_LEASE's, passed as arguments)
+# and writes a checkpoint every 0.2 s through save_checkpoint; it stops as ddpipe.launch.worker does on LeaseLost.
+HOLDER = textwrap.dedent("""
+    import sys, time
+    import torch
+    from ddpipe.core import store_lease
+    from ddpipe.core.objectstore import Store, StoreFolder
+    from ddpipe.engine.checkpoint import Position, save_checkpoint
+
+    endpoint, key_id, secret, url, conditions, renew, ttl, backoff = sys.argv[1:]
+    store_lease.LEASE_RENEW_S, store_lease.LEASE_TTL_S = float(renew), float(ttl)
+    store_lease.LEASE_BACKOFF_S = float(backoff)
+    if conditions == "ignored":  # a store that ignores conditional writes: the headers never reach it
+        plain = Store.client
+        def client(self):
+            c = plain(self)
+            c.meta.events.register("before-parameter-build.s3.PutObject",
+                                   lambda params, **_: [params.pop(k, None) for k in ("IfMatch", "IfNoneMatch")])
+            return c
+        Store.client = client
+    place = StoreFolder(url, Store(endpoint, key_id, secret))
+    store_lease.StoreLease.take(place, "paths.checkpoints", "rank 0")
+    step = 0
+    try:
+        while True:
+            save_checkpoint(place, "0123456789ab", Position(0, step), {"step": torch.tensor(step)}, keep=1000)
+            print(f"wrote step {step}", flush=True)
+            step += 1
+            time.sleep(0.2)
+    except store_lease.LeaseLost as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+""")
+
+
+@pytest.mark.parametrize("conditions", ["honoured", pytest.param("ignored", marks=pytest.mark.slow)])
+def test_a_holder_frozen_past_its_lease_stops_at_its_next_checkpoint_naming_the_new_holder_and_writes_nothing(
+        store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, conditions: str) -> None:
+    """A training (rank 0 writing a checkpoint every 0.2 s, its lease's time 3 s) is SIGSTOPped between two
+    checkpoints; a training on another host is refused until the lease lapses by the store's clock, then takes it
+    over. SIGCONTed, the first stops at its next checkpoint within seconds, exit 1, naming the new holder, and writes
+    nothing more to the store. On a store that honours conditional writes and on one that ignores them."""
+    _short_leases(monkeypatch, conditions)
+    url, env = f"s3://ddpipe/frozen/{tmp_path.name}", object_store_env(store)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, env["AWS_ENDPOINT_URL"], env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"],
+         url, conditions, *(str(v) for v in SHORT_LEASE.values())],
+        cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not (line := holder.stdout.readline()).startswith("wrote step 2"):  # type: ignore[union-attr]
+            assert line, holder.stderr.read()  # type: ignore[union-attr]
+        holder.send_signal(signal.SIGSTOP)  # in its 0.2 s between two checkpoints
+        place = StoreFolder(url, _store(store))
+        monkeypatch.setattr(socket, "gethostname", lambda: "node-b")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                taker = store_lease.StoreLease.take(place, "paths.checkpoints", "rank 0")
+                break
+            except claims.InUse as refused:
+                assert "lapses" in str(refused) and time.monotonic() < deadline, str(refused)
+                time.sleep(0.2)
+        try:
+            written = sorted(n for n in place.names() if n.startswith("ckpt-"))
+            holder.send_signal(signal.SIGCONT)
+            try:
+                _, said = holder.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"thawed, the first holder went on: {len(written)} checkpoints before, "
+                            f"{len([n for n in place.names() if n.startswith('ckpt-')])} now")
+            assert holder.returncode == 1, said
+            assert (f"is no longer this training's: another training holds it now: pid {os.getpid()} on host node-b"
+                    in said), said
+            assert sorted(n for n in place.names() if n.startswith("ckpt-")) == written  # nothing after the thaw
+            taker.check()  # the new holder's, still
+        finally:
+            taker.release()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("conditions", ["honoured", pytest.param("ignored", marks=pytest.mark.slow)])
+def test_of_four_trainings_on_four_hosts_started_at_once_exactly_one_takes_the_lease(
+        store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, conditions: str) -> None:
+    """Four trainings (threads, each with a host name of its own) take the lease at the same moment, 20 times over,
+    on no lease and on one left unreadable (a dead one): each time exactly one holds it, and the three others are
+    refused naming it. On a store that honours conditional writes and on one that ignores them."""
+    _short_leases(monkeypatch, conditions)
+    host, real = threading.local(), socket.gethostname()
+    monkeypatch.setattr(socket, "gethostname", lambda: getattr(host, "name", real))
+    place = StoreFolder(f"s3://ddpipe/contended/{tmp_path.name}", _store(store))
+    together = threading.Barrier(4)
+
+    def contend(i: int, got: dict[int, object]) -> None:
+        host.name = f"node-{i}"
+        together.wait()
+        try:
+            got[i] = store_lease.StoreLease.take(place, "paths.checkpoints", "rank 0", say=lambda _: None)
+        except claims.InUse as refused:
+            got[i] = refused
+
+    for round_ in range(20):
+        if round_ % 2:  # a dead one's lease (its claim, where the store ignores conditional writes)
+            left = store_lease.LEASE_NAME if conditions == "honoured" else f"{store_lease.LEASE_NAME}.claim-left"
+            place.write(left, lambda f: f.write(b"not a lease"))
+        got: dict[int, object] = {}
+        threads = [threading.Thread(target=contend, args=(i, got)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        (lease,) = [g for g in got.values() if isinstance(g, store_lease.StoreLease)]
+        refusals = [str(g) for g in got.values() if isinstance(g, claims.InUse)]
+        assert len(refusals) == 3 and all(f"on host {lease.me.host}," in r for r in refusals), (round_, refusals)
+        lease.release()
+        assert not [n for n in place.names() if n.startswith(store_lease.LEASE_NAME)]
+
+
+def test_conditional_writes_go_as_headers_where_botocore_lacks_their_parameters(
+        store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A botocore older than 1.36 has no IfNoneMatch or IfMatch on put_object: the lease's client sends them as
+    headers, and the store honours them as it honours botocore's own."""
+    from botocore.exceptions import ClientError
+
+    client = _store(store).client()
+    members = client.meta.service_model.operation_model("PutObject").input_shape.members
+    for name in ("IfMatch", "IfNoneMatch"):
+        monkeypatch.delitem(members, name)
+    client, key = store_lease._conditional_client(client), f"headers/{tmp_path.name}"
+    first = client.put_object(Bucket="ddpipe", Key=key, Body=b"1", IfNoneMatch="*")
+    for condition in ({"IfNoneMatch": "*"}, {"IfMatch": '"00000000000000000000000000000000"'}):
+        with pytest.raises(ClientError, match="PreconditionFailed"):
+            client.put_object(Bucket="ddpipe", Key=key, Body=b"2", **condition)
+    client.put_object(Bucket="ddpipe", Key=key, Body=b"3", IfMatch=first["ETag"])
 
 
 def test_a_checkpoint_store_is_found_from_the_environment_else_the_dvc_remote_on_its_bucket(
@@ -297,13 +604,40 @@ def test_a_checkpoint_store_is_found_from_the_environment_else_the_dvc_remote_on
     assert json.dumps(Store().fsspec_options()["config_kwargs"]["s3"]) == '{"addressing_style": "path"}'
 
 
+def _kept_of_run(client: Any, run_id: str, registered: str, into: Path) -> dict[str, bytes]:
+    """Everything a tracking server keeps of run ``run_id``, by where: the run (params, tags, metrics, dataset
+    inputs), its experiment, its logged models (params, tags) and registered versions of ``registered``, and every
+    file of the run's artifacts and of its logged models, downloaded into ``into``."""
+    import mlflow
+
+    run = client.get_run(run_id)
+    experiment = client.get_experiment(run.info.experiment_id)
+    kept = {"the run": json.dumps(run.to_dictionary(), default=str).encode(),
+            "its experiment": json.dumps([experiment.name, experiment.tags, experiment.artifact_location]).encode()}
+    places = {"run artifacts": mlflow.artifacts.download_artifacts(run_id=run_id, dst_path=str(into / "run"))}
+    for model in client.search_logged_models([run.info.experiment_id], filter_string=f"source_run_id = '{run_id}'"):
+        kept[f"logged model {model.name}"] = json.dumps(model.to_dictionary(), default=str).encode()
+        places[f"logged model {model.name}"] = mlflow.artifacts.download_artifacts(
+            artifact_uri=model.artifact_location, dst_path=str(into / model.model_id))
+    for version in client.search_model_versions(f"name = '{registered}'"):
+        kept[f"version {version.version}"] = json.dumps([version.tags, version.source, version.description]).encode()
+    kept["registered model"] = json.dumps(client.get_registered_model(registered).tags).encode()
+    for where, folder in places.items():
+        files = [f for f in Path(folder).rglob("*") if f.is_file()]
+        kept.update({f"{where}: {f.relative_to(folder)}": f.read_bytes() for f in files})
+    assert any(name.endswith("MLmodel") for name in kept), sorted(kept)  # the model's files were read
+    return kept
+
+
 @pytest.mark.slow
 def test_the_tracking_server_keeps_a_registered_models_files_in_the_bucket_and_serves_them(
         tmp_path: Path, prepared: Path, store: Path) -> None:
     """deploy/tracking_server.py with ``--artifacts-destination s3://ddpipe/mlflow`` (its keys from the environment
-    here, from the DVC remote in a clone): a training logs and registers its model through the server, whose files
-    land in the bucket; a client with the server's URL and a password, and no key of the store, loads version 1 and
-    predicts. A wrong key is named before the server starts."""
+    here, from the DVC remote in a clone): a training that holds the server's password and the store's keys (its
+    checkpoints in the bucket, as the no-shared-disk TrainJob's) logs and registers its model through the server, whose
+    files land in the bucket, and nothing the server keeps of it (params, tags, the experiment's, the logged model's,
+    the version's, every artifact's bytes) holds the password or a key; a client with the server's URL and a password,
+    and no key of the store, loads version 1 and predicts. A wrong key is named before the server starts."""
     import mlflow
     import numpy as np
 
@@ -319,14 +653,25 @@ def test_the_tracking_server_keeps_a_registered_models_files_in_the_bucket_and_s
     try:
         url = f"http://127.0.0.1:{port}"
         client = {"MLFLOW_TRACKING_URI": url, "MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": admin}
-        run([sys.executable, "-m", "ddpipe.launch",
-             *args_for(tmp_path, prepared, "num_epochs=1", "distributed.nproc_per_node=1", f"mlflow.tracking_uri={url}",
-                       "mlflow.log_model=true", "mlflow.registered_model_name=store-model")],
-            env={**CLONE_ENV, **client, "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_ENDPOINT_URL": ""})
+        trained = run([sys.executable, "-m", "ddpipe.launch",
+                       *args_for(tmp_path, prepared, "num_epochs=1", "distributed.nproc_per_node=1",
+                                 f"mlflow.tracking_uri={url}", "mlflow.log_model=true",
+                                 "mlflow.registered_model_name=store-model",
+                                 f"paths.checkpoints=s3://ddpipe/checkpoints/{tmp_path.name}")],
+                      env={**CLONE_ENV, **client, **object_store_env(store)})
         objects = StoreFolder("s3://ddpipe", _store(store)).fs.find("ddpipe/mlflow")
         assert any(o.endswith("/MLmodel") for o in objects) and any(o.endswith("/model.pt") for o in objects), objects
         os.environ.update(client)  # restored by conftest's autouse fixture; no key of the store here
         mlflow.set_tracking_uri(url)
+        run_id = json.loads((tmp_path / "run.json").read_text())["run_id"]
+        kept = _kept_of_run(mlflow.MlflowClient(url), run_id, "store-model", tmp_path / "kept")
+        kept["the training's output"] = (trained.stdout + trained.stderr).encode()
+        kept.update({f"outbox: {f.name}": f.read_bytes() for f in (tmp_path / "outbox").rglob("*") if f.is_file()})
+        secrets = {"the admin's password": admin, **{name: value for name, value in object_store_env(store).items()
+                                                     if name != "AWS_ENDPOINT_URL"}}
+        leaks = [f"{where} holds {what}" for where, data in kept.items() for what, secret in secrets.items()
+                 if secret.encode() in data]
+        assert not leaks, leaks
         model = mlflow.pyfunc.load_model("models:/store-model/1")
         answers = model.predict(np.zeros((3, 28, 28), dtype=np.uint8))
         assert len(answers) == 3 and set(answers.columns) >= {"label", "probability"}

@@ -85,7 +85,66 @@ def test_each_stage_depends_on_exactly_the_library_modules_it_imports(stage: str
     listed = {d for d in spec["deps"] if d.startswith("src/ddpipe/")}
     assert listed == {_dep(m) for m in modules}
     assert {s.relative_to(ROOT).as_posix() for s in scripts} <= set(spec["deps"])
-    assert "uv.lock" in spec["deps"]  # the environment it ran in: a changed lock runs it again
+    assert f"${{paths.stage_env}}/{stage}.txt" in spec["deps"]  # the locked packages it runs with (test_stage_env.py)
+
+
+def test_dvc_plots_show_draws_each_declared_plot_once(tmp_path: Path) -> None:
+    """The loss and accuracy curves, the confusion matrix, the per-class bars and the evaluation's images, each once:
+    the curves' file is an output of the train stage, not a plot there too (DVC would draw it again as a default plot
+    of the raw file); the evaluate stage's plots carry their own templates (a file of a plot there keeps the stage's
+    run cache: DVC saves none for a stage with an uncached output that is neither a metric nor a plot)."""
+    import shutil
+    import subprocess
+
+    from ddpipe.config.load import load_config
+    from tests.conftest import run
+
+    paths = load_config([], params_file=ROOT / "params.yaml").paths
+    for name in ("dvc.yaml", "params.yaml", paths.history, paths.confusion, paths.per_class):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, tmp_path / name)
+    images = subprocess.run(["git", "ls-files", paths.reports], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert images, f"{paths.reports}: the evaluate stage's images, tracked by git"
+    shutil.copytree(ROOT / paths.reports, tmp_path / paths.reports)
+    for cmd in (["git", "init", "-q"], ["dvc", "init", "-q"]):
+        run(cmd, cwd=tmp_path)
+    shown = yaml.safe_load(run(["dvc", "plots", "show", "--json"], cwd=tmp_path).stdout)["data"]
+    assert {name: [p["type"] for p in plots] for name, plots in shown.items()} == {
+        "loss": ["vega"], "accuracy": ["vega"], paths.confusion: ["vega"], paths.per_class: ["vega"],
+        **{image: ["image"] for image in images}}
+    matrix = shown[paths.confusion][0]["content"]["spec"]
+    assert (matrix["encoding"]["x"]["field"], matrix["encoding"]["y"]["field"]) == ("actual", "predicted")
+    assert {layer.get("mark") for layer in matrix["layer"]} >= {"rect"}
+    evaluate = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["evaluate"]  # its run cache kept: a trial
+    assert not [o for o in evaluate.get("outs", []) if isinstance(o, dict)  # applied again is not evaluated again
+                and next(iter(o.values())).get("cache") is False]
+
+
+@pytest.mark.slow
+def test_two_runs_of_one_config_differ_in_no_dvc_metric_but_the_training_time(repro_clone: Path) -> None:
+    """The same training again (seeded, CPU, one thread; from no checkpoint), evaluated and exported with its
+    latencies timed: `dvc exp show --only-changed` shows no metric but train_seconds, since the latencies, the threads
+    and the host's load went to paths.export_host, which DVC does not read as a metric."""
+    import json
+    import shutil
+
+    from tests.conftest import CLONE_ENV, run
+
+    shutil.rmtree(repro_clone / "checkpoints", ignore_errors=True)  # a training from scratch, not a resumed one
+    run(["dvc", "exp", "run", "-n", "again", "--force", "--downstream", "train", "-S", "export.latency_runs=3"],
+        cwd=repro_clone, env=CLONE_ENV, timeout=900)
+    host = json.loads((repro_clone / "metrics" / "export_host.json").read_text())["export"]
+    assert host["onnx"]["latency_ms"] and "latency_host" in host  # timed this time, and kept apart
+    rows = json.loads(run(["dvc", "exp", "show", "--json"], cwd=repro_clone, env=CLONE_ENV).stdout)
+
+    def leaves(tree: dict, prefix: str = "") -> set[str]:
+        return set().union(*(leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k}
+                             for k, v in tree.items()))
+
+    metrics = set().union(*(leaves(f.get("data", {})) for row in [*rows, *(r for b in rows for e in
+                            b.get("experiments") or [] for r in e["revs"])] for f in row["data"]["metrics"].values()))
+    changed = run(["dvc", "exp", "show", "--only-changed", "--csv"], cwd=repro_clone, env=CLONE_ENV).stdout
+    assert set(changed.splitlines()[0].split(",")) & metrics == {"train.train_seconds"}, changed
 
 
 # ---------------------------------------------------------------------------------------------

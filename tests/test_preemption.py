@@ -136,7 +136,7 @@ def test_sigterm_to_the_launcher_exits_75_and_the_same_command_resumes_equal(
     assert live["running"] is True and live["epochs"] == 1 and live["exported_epoch"] == 1, live
 
     resumed = run(launch(tmp_path, prepared), env=CLONE_ENV)
-    assert f"at epoch {epoch}, step {step}" in resumed.stdout
+    assert f"at epoch {epoch}, step {step}" in resumed.stderr
     print(f"stopped at epoch {epoch}, step {step}")
     assert same_weights(weights(tmp_path / "model.pt"), uninterrupted)
     done = json.loads((tmp_path / "train.json").read_text())["train"]  # the finished training's, as before
@@ -197,7 +197,7 @@ def test_sigterm_to_dvc_repro_leaves_a_step_checkpoint_and_the_next_repro_resume
     assert run(["git", "status", "--porcelain", "dvc.lock"], cwd=repro_clone, env=GIT_ENV).stdout == ""
 
     again = run(["dvc", "repro"], cwd=repro_clone, env=CLONE_ENV, timeout=900)
-    assert f"resuming from checkpoints at epoch {epoch}, step {step}" in again.stdout, again.stdout[-3000:]
+    assert f"resuming from checkpoints at epoch {epoch}, step {step}" in again.stderr, again.stderr[-3000:]
     print(f"stopped at epoch {epoch}, step {step}")
     assert same_weights(weights(model), reference)
 
@@ -229,7 +229,7 @@ def test_encoded_images_with_loader_workers_resume_mid_epoch_to_equal_weights(tm
     cmd = [sys.executable, "-m", "ddpipe.launch", *args_for(tmp_path, encoded, *ENCODED, *RECIPE)]
     _, epoch, step = _sigterm_inside_epoch_2(cmd, tmp_path)
     resumed = run(cmd, env=CLONE_ENV)
-    assert f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step}" in resumed.stdout
+    assert f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step}" in resumed.stderr
     print(f"stopped at epoch {epoch}, step {step}")
     assert same_weights(weights(tmp_path / "model.pt"), weights(whole / "model.pt"))
     newest = [torch.load(sorted((d / "ckpt").glob("ckpt-*.pt"))[-1], weights_only=True) for d in (tmp_path, whole)]
@@ -255,7 +255,7 @@ def test_a_training_stopped_at_two_processes_resumes_at_one_and_takes_the_same_s
     resumed = run([sys.executable, "-m", "ddpipe.launch", *args_for(tmp_path, prepared, *common, *one)],
                   env=CLONE_ENV)
     assert (f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step} (checkpointed at world size 2, "
-            "now 1") in resumed.stdout, resumed.stdout[-3000:]
+            "now 1") in resumed.stderr, resumed.stderr[-3000:]
     print(f"stopped at 2 processes at epoch {epoch}, step {step}; resumed at 1")
     assert same_weights(weights(tmp_path / "model.pt"), weights(whole / "model.pt"))
 
@@ -274,7 +274,7 @@ def _resumes_equal(cmd: list[str], tmp_path: Path, text: str,
     (sig, epoch, step), = set(STOPPED.findall(text))
     assert sig == "SIGTERM" and epoch in ("2", "3"), text[-3000:]
     resumed = run(cmd, env=CLONE_ENV)
-    assert f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step}" in resumed.stdout
+    assert f"resuming from {tmp_path / 'ckpt'} at epoch {epoch}, step {step}" in resumed.stderr
     print(f"stopped at epoch {epoch}, step {step}")
     assert same_weights(weights(tmp_path / "model.pt"), uninterrupted)
     return resumed
@@ -294,7 +294,8 @@ def test_sigkill_to_the_launchers_process_group_leaves_no_worker_and_the_same_co
         try:
             _train_workers(proc, 2)
             second = run(cmd, env=CLONE_ENV, check=False, timeout=300)
-            assert second.returncode != 0 and "torch.distributed.run" not in second.stdout, second.stdout[-2000:]
+            assert second.returncode != 0 and "torch.distributed.run" not in second.stdout + second.stderr, \
+                second.stderr[-2000:]
             assert f"pid {proc.pid}" in second.stderr and f"kill {proc.pid}" in second.stderr, second.stderr[-2000:]
             wait_for_step_checkpoint(tmp_path / "ckpt", 2, 2, lambda: proc.poll() is None)
             os.killpg(proc.pid, signal.SIGKILL)
@@ -372,7 +373,7 @@ def test_sigkill_to_dvc_repro_leaves_a_step_checkpoint_and_the_next_repro_resume
 
     again = run(["dvc", "repro"], cwd=repro_clone, env=CLONE_ENV, timeout=900)
     assert "Traceback" not in again.stdout + again.stderr, (again.stdout + again.stderr)[-3000:]
-    assert f"resuming from checkpoints at epoch {epoch}, step {step}" in again.stdout, again.stdout[-3000:]
+    assert f"resuming from checkpoints at epoch {epoch}, step {step}" in again.stderr, again.stderr[-3000:]
     print(f"stopped at epoch {epoch}, step {step}")
     assert same_weights(weights(model), reference)
 

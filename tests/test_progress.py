@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -35,6 +36,11 @@ class Terminal(io.StringIO):
         return True
 
 
+def _into(out: io.StringIO) -> Callable[[str], None]:
+    """A LineProgress's ``say`` that writes its lines into ``out``, as the handler writes them to stderr."""
+    return lambda line: print(line, file=out)
+
+
 def _run(progress: NullProgress, meter: FakeMeter, clock: FakeClock, steps: range, seconds_per_step: float) -> None:
     for step in steps:
         clock.now += seconds_per_step
@@ -47,7 +53,7 @@ def test_in_a_log_an_epoch_is_a_few_plain_lines() -> None:
     """Not a terminal: a line at each fifth of the epoch (none at its end: the epoch line follows), no carriage
     return, every line short, and the figures right (64 images a step, 0.1 s a step, 2 processes)."""
     out, clock, meter = io.StringIO(), FakeClock(), FakeMeter()
-    _run(LineProgress("epoch 2/5", 300, 0, 2, out, clock), meter, clock, range(1, 301), 0.1)
+    _run(LineProgress("epoch 2/5", 300, 0, 2, _into(out), clock), meter, clock, range(1, 301), 0.1)
     lines = out.getvalue().splitlines()
     assert "\r" not in out.getvalue() and all(len(line) <= 120 for line in lines)
     assert [line.split(",")[0] for line in lines] == [f"epoch 2/5: step {s}/300 ({s // 3}%)"
@@ -58,7 +64,7 @@ def test_in_a_log_an_epoch_is_a_few_plain_lines() -> None:
 def test_in_a_log_a_long_epoch_still_says_it_is_alive() -> None:
     """Steps of 50 s: a line at least every LINE_EVERY_S, though the next fifth is far off."""
     out, clock, meter = io.StringIO(), FakeClock(), FakeMeter()
-    _run(LineProgress("epoch 1/1", 1000, 0, 1, out, clock), meter, clock, range(1, 21), 50.0)
+    _run(LineProgress("epoch 1/1", 1000, 0, 1, _into(out), clock), meter, clock, range(1, 21), 50.0)
     steps = [int(line.split("step ")[1].split("/")[0]) for line in out.getvalue().splitlines()]
     assert steps == [3, 6, 9, 12, 15, 18] and 3 * 50.0 >= LINE_EVERY_S > 2 * 50.0
 
@@ -66,7 +72,7 @@ def test_in_a_log_a_long_epoch_still_says_it_is_alive() -> None:
 def test_a_resumed_epoch_counts_from_its_resume() -> None:
     """Resumed at step 130 of 300: the next line at the next fifth (180), the rate over the steps run here."""
     out, clock, meter = io.StringIO(), FakeClock(), FakeMeter()
-    _run(LineProgress("epoch 1/2", 300, 130, 1, out, clock), meter, clock, range(131, 301), 0.1)
+    _run(LineProgress("epoch 1/2", 300, 130, 1, _into(out), clock), meter, clock, range(131, 301), 0.1)
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("epoch 1/2: step 180/300 (60%), loss 0.5000, 640 images/s, 0:05 elapsed, 0:12 left")
     assert len(lines) == 2

@@ -24,6 +24,7 @@ from tests.conftest import (
     CLONE_ENV,
     GIT_ENV,
     PARAMS,
+    clone_repo,
     commit_params,
     kill_all,
     prune_a_two_process_trial,
@@ -244,6 +245,36 @@ def test_a_trials_workspace_is_the_working_tree_in_a_repository_of_its_own(tmp_p
         check_names(plan, study, repo)
 
 
+def test_a_trials_experiment_carries_no_figure_it_did_not_make_and_says_in_dvc_exp_show_how_to_apply_it(
+        tmp_path: Path) -> None:
+    """A trial's experiment (faked: the workspace a trial runs in, committed as an experiment of its baseline without
+    running it) holds no entry of the stages it never ran in dvc.lock and no file they made; in the test metrics'
+    place, the one figure its row in `dvc exp show` lists: how to apply it (`dvc exp apply` of it exits 255 on the
+    export's outputs, which DVC cannot check out: launch.workspace.hold_out)."""
+    from ddpipe.launch import workspace
+
+    repo = clone_repo(tmp_path / "repo")
+    plan = _plan(repo, LR, "search.study=s", "search.first=[]")
+    assert plan.apply_note == plan.held_out[0] == "metrics/test.json"
+    assert workspace.drop_downstream(repo, "train") == ["evaluate", "export"]
+    workspace.hold_out(repo, plan.held_out, plan.apply_note, "s-0")
+    base = run(["git", "rev-parse", "HEAD"], cwd=repo).stdout.strip()
+    run(["git", "add", "-A"], cwd=repo)
+    tree = run(["git", "write-tree"], cwd=repo).stdout.strip()
+    trial = run(["git", "commit-tree", tree, "-p", base, "-m", "s-0"], cwd=repo, env=GIT_ENV).stdout.strip()
+    run(["git", "update-ref", f"refs/exps/{base[:2]}/{base[2:]}/s-0", trial], cwd=repo)
+    run(["git", "reset", "-q", "--hard"], cwd=repo)
+
+    tracked = run(["git", "ls-tree", "-r", "--name-only", trial], cwd=repo).stdout.split()
+    assert not [f for f in tracked for held in plan.held_out[1:] if f == held or f.startswith(held + "/")]
+    assert set(yaml.safe_load(run(["git", "show", f"{trial}:dvc.lock"], cwd=repo).stdout)["stages"]) == {
+        "fetch", "prepare", "train"}
+    rows = json.loads(run(["dvc", "exp", "show", "--json"], cwd=repo, env=CLONE_ENV).stdout)
+    (row,) = [r for b in rows for e in b.get("experiments") or [] for r in e["revs"] if r["name"] == "s-0"]
+    assert row["data"]["metrics"]["metrics/test.json"]["data"] == {
+        "test": {"apply": "dvc exp apply s-0 (exits 255: evaluate and export never ran); dvc repro"}}
+
+
 @pytest.mark.parametrize("nodes", [1, 2], ids=["2 processes on 1 node", "2 nodes of 1 process"])
 def test_a_two_process_trial_is_pruned_on_every_rank_after_the_same_epoch(tmp_path: Path, prepared: Path,
                                                                           nodes: int) -> None:
@@ -259,6 +290,11 @@ def test_a_two_process_trial_is_pruned_on_every_rank_after_the_same_epoch(tmp_pa
     assert pruned.info.run_id == frozen.user_attrs["mlflow_run"] and pruned.info.status == "KILLED"
     assert "pruned after epoch 1 of 3" in pruned.data.tags["ddpipe.end_reason"]
     assert pruned.data.metrics["pruned_at_epoch"] == 1
+
+
+def said(done: subprocess.CompletedProcess) -> str:
+    """All a command said: its results (stdout), then its messages (stderr: the driver's lines, ``$ dvc ...``)."""
+    return done.stdout + done.stderr
 
 
 def _experiments(clone: Path) -> dict[str, dict]:
@@ -287,7 +323,7 @@ def test_a_study_of_dvc_experiments_prunes_continues_and_names_its_best(repro_cl
         "search.first": [{"train.base_lr": 0.003, "train.label_smoothing": 0.1},
                          {"train.base_lr": 0.01, "train.label_smoothing": 0.0},
                          {"train.base_lr": 1e-7, "train.label_smoothing": 0.1}]}, "a search")
-    out = run(["python", "-m", "ddpipe.search", "run"], cwd=clone, env=CLONE_ENV, timeout=900).stdout
+    out = said(run(["python", "-m", "ddpipe.search", "run"], cwd=clone, env=CLONE_ENV, timeout=900))
 
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(
         str(clone / "search" / "lr" / "study.journal")))
@@ -325,8 +361,9 @@ def test_a_study_of_dvc_experiments_prunes_continues_and_names_its_best(repro_cl
     refs = run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], cwd=clone).stdout.split()
     experiments = _experiments(clone)  # the fifth trial is one more experiment if it completed, none if pruned
     assert sorted(experiments) == sorted(f"lr-{t.number}" for t in study.trials if t.state.name == "COMPLETE")
-    for ref in (r for r in refs if r.count("/") >= 4):  # the baseline's test figures are not carried as the trial's
-        assert subprocess.run(["git", "cat-file", "-e", f"{ref}:metrics/test.json"], cwd=clone).returncode != 0, ref
+    for ref in (r for r in refs if r.count("/") >= 4):  # the baseline's test figures are not carried as the trial's:
+        held = json.loads(run(["git", "show", f"{ref}:metrics/test.json"], cwd=clone).stdout)["test"]  # how to apply
+        assert list(held) == ["apply"] and held["apply"].startswith(f"dvc exp apply {ref.rsplit('/', 1)[1]} "), ref
         # nor dvc.lock's entries of the stages it never ran (evaluate, export): nothing it did not make
         lock = yaml.safe_load(run(["git", "show", f"{ref}:dvc.lock"], cwd=clone).stdout)
         assert set(lock["stages"]) == {"fetch", "prepare", "train"}, (ref, list(lock["stages"]))
@@ -340,7 +377,7 @@ def test_a_study_of_dvc_experiments_prunes_continues_and_names_its_best(repro_cl
     assert "| 2 | PRUNED at epoch 1 |" in status and f"| lr-{top.number} |" in status
     # as in a fresh clone that ran the data stages only: the baseline's evaluate and export outputs not in the cache
     _uncache_stages(clone, ("evaluate", "export"))
-    applied = run(["python", "-m", "ddpipe.search", "best", "--apply"], cwd=clone, env=CLONE_ENV, timeout=600).stdout
+    applied = said(run(["python", "-m", "ddpipe.search", "best", "--apply"], cwd=clone, env=CLONE_ENV, timeout=600))
     assert f"$ dvc exp apply lr-{top.number}" in applied and "$ dvc repro" in applied, applied
     assert "up to date" in run(["dvc", "status"], cwd=clone, env=CLONE_ENV).stdout.lower()
     assert json.loads((clone / "metrics" / "test.json").read_text())["test"]["accuracy"] > 0.5
@@ -357,7 +394,7 @@ def test_a_study_of_dvc_experiments_prunes_continues_and_names_its_best(repro_cl
     assert float(version.tags["model_val_accuracy"]) == pytest.approx(top.value, abs=1e-6), version.tags
     assert yaml.safe_load((clone / "params.yaml").read_text())["mlflow"]["sweep"] is None
     assert "Running stage 'train'" not in applied and "Running stage 'evaluate'" in applied, applied
-    again = run(["python", "-m", "ddpipe.search", "best", "--apply"], cwd=clone, env=CLONE_ENV, timeout=600).stdout
+    again = said(run(["python", "-m", "ddpipe.search", "best", "--apply"], cwd=clone, env=CLONE_ENV, timeout=600))
     assert f"trial {top.number} was tested before" in again, again
     assert "Running stage 'train'" not in again and "Running stage 'evaluate'" not in again, again  # not tested again
     (tested,) = optuna.load_study(study_name="lr", storage=storage).user_attrs["tested"]
@@ -426,7 +463,7 @@ def test_a_stopped_trial_and_a_killed_driver_resume_bit_equal_under_their_number
             driver.kill()  # the driver alone: trial 1's dvc exp run and training go on
             driver.wait()
             assert training_processes(str(folder / "trial-1")), "trial 1's training did not outlive its driver"
-            again = run([sys.executable, "-m", "ddpipe.search", "run"], cwd=clone, env=CLONE_ENV, timeout=600).stdout
+            again = said(run([sys.executable, "-m", "ddpipe.search", "run"], cwd=clone, env=CLONE_ENV, timeout=600))
         finally:
             kill_all(str(clone))
     first = log.read_text()

@@ -148,7 +148,7 @@ def test_early_stopping_and_best_export_resume_exactly(tmp_path: Path, prepared:
 
     last = run(["python", "stages/train_worker.py", *args_for(whole, prepared, *extra, "train.model_epoch=last")],
                env=CLONE_ENV)
-    assert "already trained" in last.stdout
+    assert "already trained" in last.stderr
     assert json.loads((whole / "train.json").read_text())["train"]["exported_epoch"] == len(history)
     payload = torch.load(whole / "model.pt", weights_only=True)
     assert payload["exported_epoch"] == len(history)

@@ -88,7 +88,7 @@ def test_training_and_evaluation_make_one_complete_run(tmp_path: Path, prepared:
     assert r.info.run_name == "my-exp" and r.info.status == "FINISHED"
     assert r.data.tags["ddpipe.end_reason"] == "completed"
     assert f"#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=ddpipe" \
-        in trained.stdout
+        in trained.stderr
     assert "test_accuracy" in exp.tags["mlflow.sharedViewState.ddpipe"]
     assert r.data.params["num_epochs"] == "2" and r.data.params["train.base_lr"] == str(cfg.train.base_lr)
     assert r.data.params["world_size"] == "1" and "effective_lr" in r.data.params
@@ -132,13 +132,20 @@ def test_training_and_evaluation_make_one_complete_run(tmp_path: Path, prepared:
     # Training again with nothing left to train (e.g. `dvc repro` after a code-only change) rewrites
     # the outputs from the last checkpoint into the same run, without a second copy of the model.
     again = run(["python", "stages/train_worker.py", *args])
-    assert "already holds this model" in again.stdout
+    assert "already holds this model" in again.stderr
     assert [x.info.run_id for x in client.search_runs([exp.experiment_id])] == [r.info.run_id]
     models = mlflow.search_logged_models(experiment_ids=[exp.experiment_id], output_format="list",
                                          filter_string=f"source_run_id = '{r.info.run_id}'")
     assert len(models) == 1 and str(models[0].status).upper().endswith("READY")
     # the run lists it among its outputs (MLflow's run page, "Logged models"); no run was made active to log it
     assert [o.model_id for o in client.get_run(r.info.run_id).outputs.model_outputs] == [models[0].model_id]
+    # MLflow's Models tab: the figures that describe the model, linked through its id, each once after the training
+    # and the evaluation ran again, equal to the run's; not each epoch's
+    run(["python", "stages/evaluate.py", *args])
+    linked = mlflow.get_logged_model(models[0].model_id).metrics
+    keys = ["model_val_accuracy", "model_val_loss", "test_accuracy", "test_loss", "test_macro_f1"]
+    assert sorted(m.key for m in linked) == keys
+    assert {m.key: m.value for m in linked} == {key: r.data.metrics[key] for key in keys}
 
 
 @pytest.mark.slow
@@ -279,6 +286,45 @@ def test_a_journal_sent_twice_stores_each_record_once(monkeypatch: pytest.Monkey
     assert run_.data.params == {"seed": "1"} and run_.info.status == "FINISHED"
 
 
+def test_the_logged_models_figures_are_linked_to_it_each_once(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    """MLflow's Models tab shows a logged model's figures: the records that describe the run's model of an exported
+    epoch (its validation figures, the test's) are linked to it, each once however often they are sent or logged
+    again; each epoch's figures, another epoch's and a run without that model's stay on the run alone."""
+    import mlflow
+    from mlflow.entities import LoggedModelStatus
+
+    client, run_id, journal = _journal_of_a_new_run(monkeypatch, tmp_path, "linked")
+    mlflow.set_tracking_uri(journal.uri)
+    t0 = 1_700_000_000_000
+    journal.append("metrics", metrics=[["model_val_accuracy", 0.7, t0, 0]], model_epoch=2)  # no model yet
+    assert journal.deliver(wait=True).error is None
+    first = journal.sent_offset()
+    model = mlflow.initialize_logged_model(name="model", source_run_id=run_id,
+                                           experiment_id=client.get_run(run_id).info.experiment_id)
+    client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+    client.set_tag(run_id, "ddpipe.logged_model_epoch", "2")  # as ddpipe.models.served.log_pyfunc leaves it
+    journal.append("metrics", metrics=[["val_accuracy", 0.5, t0 + 1, 1], ["val_accuracy", 0.6, t0 + 2, 2]])
+    journal.append("metrics", metrics=[["model_val_accuracy", 0.6, t0 + 3, 0], ["model_val_loss", 0.9, t0 + 3, 0]],
+                   model_epoch=2)
+    journal.append("metrics", metrics=[["test_accuracy", 0.55, t0 + 4, 0]], model_epoch=2)
+    journal.append("metrics", metrics=[["test_accuracy", 0.4, t0 + 5, 0]], model_epoch=1)  # another epoch's model
+    assert journal.deliver(wait=True).error is None
+    journal.mark_sent(first)  # as if the delivery's offset had never been written
+    journal.append("metrics", metrics=[["test_accuracy", 0.55, t0 + 6, 0]], model_epoch=2)  # an evaluation re-run
+    assert journal.deliver(wait=True).error is None
+
+    linked = sorted((m.key, m.value, m.step) for m in mlflow.get_logged_model(model.model_id).metrics)
+    assert linked == [("model_val_accuracy", 0.6, 0), ("model_val_loss", 0.9, 0), ("test_accuracy", 0.55, 0)]
+    found = mlflow.search_logged_models(filter_string="metrics.test_accuracy > 0.5", output_format="list",
+                                        experiment_ids=[client.get_run(run_id).info.experiment_id])
+    assert [m.model_id for m in found] == [model.model_id]  # what the Models tab filters and sorts by
+    # the run holds each record's figures once (the link sends them with the record's own timestamp)
+    assert sorted((m.value, m.timestamp) for m in client.get_metric_history(run_id, "model_val_accuracy")) == \
+        [(0.6, t0 + 3), (0.7, t0)]
+    assert sorted(m.step for m in client.get_metric_history(run_id, "val_accuracy")) == [1, 2]
+
+
 def test_a_resumed_attempt_on_another_host_logs_each_step_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A resume re-runs the steps after its checkpoint and logs its last validation again, from a host whose outbox
     knows nothing of the run: what the store holds of each key's steps is sent once; the new steps all go; after
@@ -405,12 +451,14 @@ def _runs(tmp: Path, experiment: str = "ddpipe") -> list:
 
 
 def test_end_reasons_name_the_cause() -> None:
-    from ddpipe.core.exits import Preempted
+    from ddpipe.core.exits import Preempted, StoreAway
     from ddpipe.tracking.tracker import end_reason
 
     assert end_reason(KeyboardInterrupt()) == ("KILLED", "interrupted by SIGINT (Ctrl-C)")
     status, why = end_reason(Preempted(15, 1, 7))
     assert status == "KILLED" and why.startswith("stopped by SIGTERM at epoch 2, step 7")
+    status, why = end_reason(StoreAway("the store of paths.checkpoints (s3://b/p, endpoint E) has been away for 301 s"))
+    assert status == "KILLED" and why.startswith("stopped: the store of paths.checkpoints (s3://b/p, endpoint E) has")
     assert end_reason(ValueError("bad value\nmore")) == ("FAILED", "ValueError: bad value")
 
 
@@ -465,7 +513,7 @@ def test_sigterm_ends_killed_and_the_resumed_attempt_reopens_the_same_run(tmp_pa
     assert killed.info.status == "KILLED" and "SIGTERM" in killed.data.tags["ddpipe.end_reason"]
 
     resumed = run(torchrun(1, *args), env=CLONE_ENV)
-    assert "resuming from" in resumed.stdout
+    assert "resuming from" in resumed.stderr
     (r,) = _runs(tmp_path)
     assert r.info.run_id == killed.info.run_id and r.info.status == "FINISHED"
     assert r.data.tags["ddpipe.attempts"] == "2" and r.data.tags["ddpipe.end_reason"] == "completed"

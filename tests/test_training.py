@@ -281,7 +281,7 @@ def test_a_training_started_beside_another_takes_its_share_of_the_cores(tmp_path
             time.sleep(0.2)
         assert long.poll() is None, log.read_text()[-3000:]
         short = args_for(tmp_path / "short", prepared, "num_epochs=1", *shared)
-        out = run(["python", "stages/train_worker.py", *short], env=registry).stdout
+        out = run(["python", "stages/train_worker.py", *short], env=registry).stderr
     finally:
         os.killpg(long.pid, signal.SIGKILL)
         long.wait()

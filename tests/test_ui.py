@@ -1,5 +1,5 @@
-"""`mlflow ui` as a person sees it: headless Chromium on the link a training prints, and on a two-run
-comparison. Skips where Debian's chromium is not installed (.ci/run installs it)."""
+"""`mlflow ui` as a person sees it: headless Chromium on the link a training prints, on a two-run
+comparison and on a logged model's page. Skips where Debian's chromium is not installed (.ci/run installs it)."""
 
 from __future__ import annotations
 
@@ -33,11 +33,11 @@ def render(url: str, *extra: str) -> str:
 @pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)")
 def test_mlflow_ui_opens_on_the_runs_table_and_compares_two_runs(tmp_path: Path, prepared: Path) -> None:
-    for name, lr in (("lr-small", "0.001"), ("lr-large", "0.01")):
-        args = args_for(tmp_path, prepared, "num_epochs=1", f"train.base_lr={lr}")
+    for name, lr, log_model in (("lr-small", "0.001", "false"), ("lr-large", "0.01", "true")):  # one model: its page
+        args = args_for(tmp_path, prepared, "num_epochs=1", f"train.base_lr={lr}", f"mlflow.log_model={log_model}")
         trained = run(["python", "stages/train_worker.py", *args], env={**CLONE_ENV, "DVC_EXP_NAME": name})
         run(["python", "stages/evaluate.py", *args], env=CLONE_ENV)
-    link = next(line.split()[0] for line in trained.stdout.splitlines() if "(runs table)" in line)
+    link = next(line.split()[0] for line in trained.stderr.splitlines() if "(runs table)" in line)
 
     # `mlflow ui` started where mlflow.db is, as in the repo root: its default store is ./mlflow.db
     port = free_port()
@@ -65,6 +65,18 @@ def test_mlflow_ui_opens_on_the_runs_table_and_compares_two_runs(tmp_path: Path,
         # train.log_every_n_steps adds push test_accuracy below its fold; the runs table above shows it)
         for text in ("lr-small", "lr-large", "train.base_lr", "best_val_accuracy", "grad_norm", "val_accuracy"):
             assert text in compare, text
+
+        # a logged model's page (the Models tab's link) shows the figures linked to it through its model id
+        from mlflow.tracking import MlflowClient
+
+        experiment = runs[0]["info"]["experiment_id"]
+        model = MlflowClient(tracking_uri=base).search_logged_models([experiment], filter_string="name = 'model'")[0]
+        figures = {m.key: m.value for m in model.metrics}
+        page = render(f"{base}/#/experiments/{experiment}/models/{model.model_id}",
+                      f"--screenshot={tmp_path / 'model.png'}")
+        assert "Metrics (5)" in page, page[:2000]
+        for key in ("model_val_accuracy", "model_val_loss", "test_accuracy", "test_loss", "test_macro_f1"):
+            assert key in page and str(figures[key]) in page, key  # the value as stored (JS and Python print alike)
     finally:
         os.killpg(server.pid, 9)  # mlflow ui's job-queue workers ignore SIGTERM
         server.wait(timeout=30)

@@ -7,7 +7,21 @@ This table is the one statement of that rule; tests/test_layout.py holds every i
 The modules beside this file are thin entry points (``ddpipe outbox``, ...) that no package imports.
 """
 
-__version__ = "0.1.0"
+import importlib.metadata
+
+
+def _version() -> str:
+    """The installed distribution's version, written once, in pyproject.toml. "unknown" where none is installed under
+    this package's name: a source tree on the path, and the copy a logged model carries (``ddpipe_<digest>``, which
+    serves where ddpipe is not installed, or another ddpipe is: ddpipe.models.carried), whose metadata records the
+    version of the ddpipe that logged it."""
+    try:
+        return importlib.metadata.version(__name__)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+__version__ = _version()
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("core",),  # files written atomically, processes and host locks, devices, ranks, exit codes: nothing of ours

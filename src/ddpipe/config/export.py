@@ -40,8 +40,8 @@ class ExportConfig:
     latency_batch_sizes: list[int] = field(default_factory=lambda: [1, 64], metadata={
         "doc": "Batch sizes at which the stage times each format on the CPU (p50 and p99 per batch).",
         "trajectory": False, "words": "a non-empty list of integers >= 1"})
-    latency_runs: int = param(30, "Timed runs per format and batch size (after 3 untimed); 0: not timed (no "
-                              "latency_ms in the metrics).", ge=0)
+    latency_runs: int = param(30, "Timed runs per format and batch size (after 3 untimed), into paths.export_host; "
+                              "0: not timed (no latency_ms there).", ge=0)
     min_agreement: float = param(
         0.999, "fp32 graphs: the least share of test images whose top-1 class equals the PyTorch model's; below it "
         "the stage fails and writes nothing.", ge=0.0, le=1.0)

@@ -42,8 +42,10 @@ class ClusterConfig:
                             "their experiments to.")
     dvc_remote: Optional[str] = param(None, "storage: remote: the DVC remote for data and outputs; null: the "
                                       "repository's default remote.")
-    image: str = param("registry.example.com/ddpipe:latest", "kubernetes: the container image the pods run "
-                       "(this repository's dependencies).")
+    image: Optional[str] = param(
+        None, "kubernetes: the training image the pods run (the Containerfile's: `make image IMAGE=<registry>/"
+        "ddpipe:<tag>`, pushed where every node pulls from); null: none, and `ddpipe cluster submit` for Kubernetes "
+        "refuses to start until it is set.")
     namespace: str = param("default", "kubernetes: the namespace of the Jobs.")
     volume_claim: str = param("ddpipe-workspace", "kubernetes: the PersistentVolumeClaim holding the repository, "
                               "its venv and DVC cache (deploy/k8s/pvc.yaml), mounted at the repository's path.")

@@ -10,8 +10,8 @@ is accepted.
 import contextlib
 import dataclasses
 import difflib
+import logging
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
@@ -28,6 +28,8 @@ from ddpipe.config.schema import Config, ConfigError
 
 DEFAULT_PARAMS_FILE = "params.yaml"
 
+logger = logging.getLogger(__name__)
+
 
 @contextlib.contextmanager
 def user_errors(*kinds: type[Exception], code: int = 2, context: str = "") -> Iterator[None]:
@@ -38,7 +40,7 @@ def user_errors(*kinds: type[Exception], code: int = 2, context: str = "") -> It
     try:
         yield
     except (ConfigError, *kinds) as exc:
-        print(f"error: {exc}{context}", file=sys.stderr)
+        logger.error(f"error: {exc}{context}")
         raise SystemExit(2 if isinstance(exc, ConfigError) else code) from None
 
 
@@ -54,6 +56,7 @@ def load_config(
     cfg = OmegaConf.structured(Config)
     set_in: dict[str, str] = {}  # key -> the file or "command line" that set it last
     for source, layer in layers:
+        logger.debug(f"config: {source} sets {', '.join(flatten_mapping(layer)) or 'nothing'}")
         for key, value in flatten_mapping(layer).items():
             _set(cfg, key, value, source)
             set_in[key] = source

@@ -94,10 +94,10 @@ class DataConfig:
         "auto", "Encoded images in training and validation: where files are decoded, cropped and augmented. "
         "workers: in the loader's worker processes, one image at a time (libjpeg-turbo/libpng on the CPU); device: "
         "on the training device, a batch at a time (on CUDA, JPEGs by nvJPEG through torchvision's decode_jpeg, "
-        "PNGs on the CPU), the workers only reading the files; on a CPU the same bytes as workers. auto: device "
-        "on CUDA, else workers. Not part of the trajectory: the crops and draws are the same either way (nvJPEG's "
-        "pixels may differ from libjpeg-turbo's by rounding).", choices=("auto", "workers", "device"),
-        trajectory=False,
+        "PNGs on the CPU), the workers only reading the files; on a CPU the same bytes as workers. auto: workers, "
+        "on CUDA too, until make gpu-check shows device decoding at least as fast at 224 px (the run records which). "
+        "Not part of the trajectory: the same crops and draws either way (nvJPEG's pixels may differ by rounding).",
+        choices=("auto", "workers", "device"), trajectory=False,
     )
 
 
@@ -366,10 +366,19 @@ class PathsConfig:
     reports: str = param("reports", "Evaluate stage images: confusion matrix, misclassified samples.")
     onnx: str = param("models/model.onnx", "Export stage: the fp32 ONNX graph (uint8 images in, probabilities out).")
     onnx_int8: str = param("models/model.int8.onnx", "Export stage: its static INT8 copy (export.int8).")
-    export_metrics: str = param("metrics/export.json", "Export stage: each format's check and latency (DVC metrics).")
+    export_metrics: str = param("metrics/export.json", "Export stage: each format's test accuracy, agreement with the "
+                                "PyTorch model and size (DVC metrics: figures the run's parameters determine).")
+    export_host: str = param(
+        "metrics/export_host.json", "Export stage: what this host measured, which moves between two runs of one model "
+        "(not a DVC metric): each format's CPU latency and largest probability difference from PyTorch, the threads, "
+        "the host's load while timing, whether its CPU has VNNI.")
     pretrained: str = param(
         "pretrained", "Where local weights files lie (model.weights names one): a dependency of the train stage, so "
         "DVC re-trains when a file there changes. The default, the repository's pretrained/, exists in every clone.")
+    stage_env: str = param(
+        "stages/env", "Each stage's locked packages, <stage>.txt: what its code imports and what those depend on, "
+        "name==version (generated from uv.lock and dvc.yaml: ddpipe config --stage-env, which make lock runs); a "
+        "dependency of that stage, so a new version of a package it runs with re-runs it and a dev tool's does not.")
 
 
 @dataclass

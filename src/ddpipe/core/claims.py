@@ -13,8 +13,8 @@ The owner empties the file when it releases the claim with no other holder left;
 when it is taken again was left by a killed training: the taker says whose it was and removes the partial files its
 atomic writes left (``ddpipe.core.files.partial_files``).
 
-A place in an object store (checkpoints at ``s3://...``) has no flock: there a :class:`StoreLease`, an object naming
-its holder, renewed from a thread of its own, says who owns it.
+A place in an object store (checkpoints at ``s3://...``) has no flock: there a lease says who owns it
+(ddpipe.core.store_lease: conditional writes, and the store's clock, never two hosts').
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import socket
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -33,14 +33,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ddpipe.core.files import partial_files, remove_partial
-from ddpipe.core.objectstore import Folder
 from ddpipe.core.processes import alive, host_lock, start_time
 
+logger = logging.getLogger(__name__)
+
 LOCK_NAME = ".ddpipe-training.lock"
-# A store's lease (in the checkpoints' prefix; its name is no checkpoint's): renewed every LEASE_RENEW_S by its holder;
-# one not renewed for LEASE_TTL_S is a training that is gone with its host. LEASE_SETTLE_S: how long a taker waits
-# before reading its lease back (two takers at once: the later write holds it, the other steps aside).
-LEASE_NAME, LEASE_RENEW_S, LEASE_TTL_S, LEASE_SETTLE_S = "ddpipe-training.lease.json", 15.0, 90.0, 1.0
 
 
 class InUse(RuntimeError):
@@ -111,7 +108,7 @@ class Claim:
         """A new claim on every directory of ``places`` (created if missing), or :class:`InUse` naming the training
         that holds one, with nothing taken. A claim its holders left without releasing (they were killed) is taken
         over, saying so through ``say``."""
-        say = say or (lambda text: print(text, file=sys.stderr, flush=True))
+        say = say or logger.info
         token = uuid.uuid4().hex
         me = Holder.this(role, token)
         claim = cls(_directories(places), token, me, {})
@@ -259,80 +256,3 @@ def in_use(label: str, directory: Path, holders: list[Holder]) -> str:
     pids = " ".join(str(h.pid) for h in alive_) or "?"
     return (head + f"its launcher ({owner}) has ended and its processes (pids {pids}) are stopping after a "
             f"checkpoint: wait a few seconds, or stop them with `kill {pids}`")
-
-
-
-class StoreLease:
-    """One training per checkpoint place in an object store (``place``: a :class:`~ddpipe.core.objectstore.Folder`
-    there). The lease is an object naming its holder (host, pid, start time, role) and when it was last renewed; the
-    holder renews it every :data:`LEASE_RENEW_S` from a thread of its own, whatever the training does. Another
-    training is refused while the lease is live: its holder runs (on this host, checked) or renewed it within
-    :data:`LEASE_TTL_S` (another host); a lease past that, or whose holder on this host has ended, is taken over,
-    saying so. Host clocks are taken to agree within seconds (NTP), as S3's own request signing needs."""
-
-    def __init__(self, place: Folder, label: str, me: Holder) -> None:
-        self.place, self.label, self.me = place, label, me
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @classmethod
-    def take(cls, place: Folder, label: str, role: str, say: Callable[[str], None] | None = None) -> StoreLease:
-        say = say or (lambda text: print(text, file=sys.stderr, flush=True))
-        lease = cls(place, label, Holder.this(role, uuid.uuid4().hex))
-        held = lease._read()
-        if held is not None and lease._live(*held):
-            raise InUse(lease._refusal(*held))
-        lease._write()
-        time.sleep(LEASE_SETTLE_S)
-        back = lease._read()
-        if back is None or back[0].token != lease.me.token:
-            raise InUse(lease._refusal(*back) if back else f"{place.where} ({label}): another training took it "
-                        "at the same moment and let it go; run the command again")
-        if held is not None:
-            say(f"note: taking over {place.where} ({label}) from a training that ended without releasing it "
-                f"({held[0]}, last renewed {time.time() - held[1]:.0f} s ago)")
-        lease._thread = threading.Thread(target=lease._renew, name="ddpipe-store-lease", daemon=True)
-        lease._thread.start()
-        return lease
-
-    def _read(self) -> tuple[Holder, float] | None:
-        try:
-            record = json.loads(self.place.read(LEASE_NAME))
-            return Holder(**record["holder"]), float(record["renewed"])
-        except (FileNotFoundError, ValueError, TypeError, KeyError):  # none, or not a lease of ours: a dead one
-            return None
-
-    def _write(self) -> None:
-        record = {"holder": asdict(self.me), "renewed": time.time()}
-        self.place.write(LEASE_NAME, lambda f: f.write(json.dumps(record).encode()))
-
-    @staticmethod
-    def _live(holder: Holder, renewed: float) -> bool:
-        if holder.here():
-            return alive(holder.pid, holder.started)
-        return time.time() - renewed < LEASE_TTL_S
-
-    def _refusal(self, holder: Holder, renewed: float) -> str:
-        age = time.time() - renewed
-        return (f"{self.place.where} ({self.label}) is in use by another training: {holder}, its lease renewed "
-                f"{age:.0f} s ago. Two trainings on one checkpoint place would overwrite each other's checkpoints: "
-                f"wait for it to end, or stop it" + ("" if holder.here() else
-                f" (if it is gone with its host, its lease lapses {max(0.0, LEASE_TTL_S - age):.0f} s from now)"))
-
-    def _renew(self) -> None:
-        while not self._stop.wait(LEASE_RENEW_S):
-            try:
-                self._write()
-            except Exception as exc:  # the store's retries are spent: say so, and try again at the next beat
-                print(f"warning: could not renew the lease on {self.place.where} ({exc}); trying again in "
-                      f"{LEASE_RENEW_S:g} s", file=sys.stderr, flush=True)
-
-    def release(self) -> None:
-        """Stop renewing, and remove the lease if it is still this training's."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=LEASE_RENEW_S + 30)
-        with contextlib.suppress(Exception):
-            held = self._read()
-            if held is not None and held[0].token == self.me.token:
-                self.place.remove(LEASE_NAME)

@@ -57,6 +57,19 @@ def cpu_quota(cgroup_root: str | Path = "/sys/fs/cgroup") -> int | None:
     or a Kubernetes pod's CPU limit), or None where none is set or readable. The CPUs its affinity allows may be many
     more: threads beyond the quota wait for each other's turn at every layer (BENCHMARKS.md, "`auto` by
     measuring")."""
+    found = _quota_and_period(cgroup_root)
+    return None if found is None else max(1, -(-found[0] // found[1]))
+
+
+def cpu_quota_exact(cgroup_root: str | Path = "/sys/fs/cgroup") -> float | None:
+    """:func:`cpu_quota` unrounded (1.5 for a limit of 1.5 CPUs), or None: what ``auto``'s measurement is keyed by,
+    since a quota of 1.5 CPUs and none on 2 CPUs both count 2 CPUs and compute differently."""
+    found = _quota_and_period(cgroup_root)
+    return None if found is None else found[0] / found[1]
+
+
+def _quota_and_period(cgroup_root: str | Path) -> tuple[int, int] | None:
+    """This process's cgroup's CFS quota and period (microseconds, v2's cpu.max or v1's cfs files), or None."""
     root = Path(cgroup_root)
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
@@ -69,14 +82,15 @@ def cpu_quota(cgroup_root: str | Path = "/sys/fs/cgroup") -> int | None:
             for f in files:
                 with contextlib.suppress(OSError, ValueError):
                     quota, period = f.read_text().split()[:2]
-                    if quota != "max":
-                        return max(1, -(-int(quota) // int(period)))
+                    if quota != "max" and int(period) > 0:
+                        return int(quota), int(period)
         elif "cpu" in controllers.split(","):
             base = root / controllers / path.lstrip("/")
             with contextlib.suppress(OSError, ValueError):
                 quota = int((base / "cpu.cfs_quota_us").read_text())
-                if quota > 0:
-                    return max(1, -(-quota // int((base / "cpu.cfs_period_us").read_text())))
+                period = int((base / "cpu.cfs_period_us").read_text())
+                if quota > 0 and period > 0:  # -1: no quota
+                    return quota, period
     return None
 
 

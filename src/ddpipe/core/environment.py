@@ -1,6 +1,7 @@
 """The environment variables ddpipe sets for the processes it starts, and reads back in them: every name in one place.
 
-Each is set by one part of ddpipe and read by another part, in a process started below it; a user never sets one.
+Each is set by one part of ddpipe and read by another part, in a process started below it; a user never sets one but
+the level of the messages (:data:`LOG_LEVEL_ENV`).
 """
 
 # The claim's token on a training's directories (ddpipe.core.claims), passed by whoever took it to the processes that
@@ -10,6 +11,11 @@ CLAIM_ENV = "DDPIPE_TRAINING_CLAIM"
 # "PID START" of the launcher (its start time, as ddpipe.core.processes.start_time gives it), set by ddpipe.launch
 # for the torchrun it starts: every worker follows it (ddpipe.distributed.preemption).
 LAUNCHER_ENV = "DDPIPE_LAUNCHER"
+
+# A file the launcher names for its torchrun's workers (ddpipe.launch.torchrun): a worker that stops with exit code 75
+# for a reason no signal told the launcher (the checkpoints' store away too long: ddpipe.launch.worker) writes it
+# there, and the launcher, whose torchrun exits 1 whatever its workers' codes, exits 75 too, saying it.
+PAUSE_NOTE_ENV = "DDPIPE_PAUSE_NOTE"
 
 # In the environment of the workers of a job the launcher checked (ddpipe.launch.torchrun.preflight): they skip those
 # checks.
@@ -39,3 +45,8 @@ TRIAL_ENV = "DDPIPE_SEARCH_TRIAL"
 # What `auto` became on this machine kind (JSON of ddpipe.engine.autotune.Choice), measured or read from its cache by
 # the launcher and handed to the workers it starts, which resolve their run with it.
 AUTO_CHOICE_ENV = "DDPIPE_AUTO_CHOICE"
+
+# The level of ddpipe's messages (DEBUG, INFO, WARNING, ERROR; ddpipe.core.logs): the one a user may set, for the
+# commands DVC runs (`DDPIPE_LOG_LEVEL=WARNING dvc repro`); a command's -q or -v sets it for the processes it starts
+# (torchrun's workers, a search's trials), which say as much as it does.
+LOG_LEVEL_ENV = "DDPIPE_LOG_LEVEL"

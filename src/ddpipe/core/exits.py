@@ -1,7 +1,8 @@
-"""How a training that was asked to stop ends: the signals that ask (a scheduler's), the exception that carries
-the stop out of the loop and the exit code that says "run the same command to resume". Plain definitions, so what
-only reads them (the tracker, and through it the evaluate stage) imports nothing of ``ddpipe.distributed``
-(``ddpipe.distributed.preemption`` turns the signals into a stop every rank agrees on)."""
+"""How a training that was asked to stop ends: the signals that ask (a scheduler's), the exceptions that carry
+the stop out of the loop (a signal's; the checkpoints' store away too long) and the exit code that says "run the same
+command to resume". Plain definitions, so what only reads them (the tracker, and through it the evaluate stage)
+imports nothing of ``ddpipe.distributed`` (``ddpipe.distributed.preemption`` turns the signals into a stop every rank
+agrees on)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import signal
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 # EX_TEMPFAIL (sysexits.h): "a temporary failure; the user is invited to retry". A training that
-# stopped for a signal with its progress saved exits with it; the same command resumes.
+# stopped for a signal with its progress saved exits with it, and one whose checkpoints' store was away too long (its
+# newest whole checkpoint there); the same command resumes.
 EXIT_PREEMPTED = 75
 
 
@@ -21,6 +23,14 @@ class Preempted(BaseException):
     def __init__(self, signum: int, epoch: int, step: int) -> None:
         self.signum, self.epoch, self.step = signum, epoch, step
         super().__init__(f"stopped by {signal.Signals(signum).name} at epoch {epoch + 1}, step {step}")
+
+
+class StoreAway(BaseException):
+    """Training stopped at a checkpoint that the store of its checkpoints did not take, that store away for
+    ``ddpipe.core.objectstore.STORE_OUTAGE_S`` or more; its newest whole checkpoint is the store's. Raised on every rank
+    at once (ddpipe.engine.checkpoint.Checkpointer); the process exits with ``EXIT_PREEMPTED``, for its scheduler to run
+    it again, and the same command resumes from that checkpoint once the store answers. A BaseException, as
+    :class:`Preempted` is: a stop, not an error."""
 
 
 class TrialPruned(SystemExit):

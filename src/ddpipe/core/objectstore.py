@@ -9,16 +9,22 @@ sees a half-written one, and an upload cut by a dead store leaves nothing behind
 (``paths.checkpoints = s3://...``, ddpipe.engine.checkpoint), the DVC remote's set-up and check
 (deploy/object_store.py, ``make remote``) and the tracking server's artifact store (deploy/tracking_server.py) go
 through here.
+
+A store that is away is a pause for a training, not its end (issue 69): a checkpoint it does not take is skipped and
+the training goes on, its requests tried once each (:func:`tried_once`) until the store is back; only a store away for
+:data:`STORE_OUTAGE_S` stops it, with exit code 75 (ddpipe.engine.store_pause).
 """
 
 from __future__ import annotations
 
 import configparser
+import contextlib
+import contextvars
 import io
+import logging
 import os
-import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol, TypeVar
@@ -26,13 +32,21 @@ from typing import IO, Any, Protocol, TypeVar
 from ddpipe.core.errors import one_line
 from ddpipe.core.files import atomic_save
 
+logger = logging.getLogger(__name__)
+
 SCHEME = "s3://"
 # The endpoint of an S3-compatible store, as boto3 and the AWS CLI read it (an S3-only one first)
 ENDPOINT_ENVS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 # Seconds between the attempts of a store request that failed for a reason that may pass (the store restarting, the
 # network): 5 retries, 15.5 s in all, then a StoreError naming the store. A refusal (a wrong key, no bucket) is not
-# retried.
+# retried. While a store is known to be away, one attempt (tried_once).
 RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+# How long the store of a training's checkpoints may be away (its writes failing past their retries, counted from the
+# first that failed) before the training stops for it: until then it trains on, each checkpoint the store does not
+# take skipped for the next, and the last one waited for; past it, it stops with exit code 75 (EXIT_PREEMPTED), its
+# newest whole checkpoint in the store, for its scheduler to run it again (ddpipe.engine.store_pause). Five minutes: a
+# store restarting or a network blip is over well before, and a bucket down for longer is worth the requeue.
+STORE_OUTAGE_S = 300.0
 
 T = TypeVar("T")
 
@@ -173,10 +187,28 @@ def check(store: Store, url: str, what: str) -> None:
 # Requests that retry, and folders of whole files
 
 
-def retried(action: Callable[[], T], what: str, delays: tuple[float, ...] = RETRY_DELAYS_S) -> T:
-    """``action()``, tried again after each of ``delays`` while it fails for a reason that may pass; a
-    :class:`StoreError` naming ``what`` when the last attempt fails. A missing object (FileNotFoundError) and a
-    refusal (PermissionError: s3fs's word for a 403) are not retried: they do not pass."""
+# Set within tried_once: this thread's store requests are tried once each (a store known to be away)
+_TRIED_ONCE: contextvars.ContextVar[bool] = contextvars.ContextVar("ddpipe_store_tried_once", default=False)
+
+
+@contextlib.contextmanager
+def tried_once() -> Iterator[None]:
+    """Within: each request of this thread that :func:`retried` makes is tried once, without backoff. For a store
+    known to be away: a training asks it again at its next checkpoint instead of waiting 15.5 s at each."""
+    token = _TRIED_ONCE.set(True)
+    try:
+        yield
+    finally:
+        _TRIED_ONCE.reset(token)
+
+
+def retried(action: Callable[[], T], what: str, delays: tuple[float, ...] | None = None) -> T:
+    """``action()``, tried again after each of ``delays`` (None: :data:`RETRY_DELAYS_S`; within :func:`tried_once`,
+    none) while it fails for a reason that may pass; a :class:`StoreError` naming ``what`` when the last attempt fails.
+    Each kind of failure is said once on stderr, not each attempt. A missing object (FileNotFoundError) and a refusal
+    (PermissionError: s3fs's word for a 403) are not retried: they do not pass."""
+    delays = () if _TRIED_ONCE.get() else RETRY_DELAYS_S if delays is None else delays
+    said: set[str] = set()
     for attempt, delay in enumerate((*delays, None), start=1):
         try:
             return action()
@@ -184,10 +216,13 @@ def retried(action: Callable[[], T], what: str, delays: tuple[float, ...] = RETR
             raise
         except Exception as exc:
             if delay is None:
-                raise StoreError(f"{what}: failed {attempt} times over {sum(delays):.1f} s; the last time: "
-                                 f"{one_line(exc, 300)}") from None
-            print(f"warning: {what}: {one_line(exc, 200)}; again in {delay:g} s (attempt {attempt + 1} of "
-                  f"{len(delays) + 1})", file=sys.stderr, flush=True)
+                times = "once" if attempt == 1 else f"{attempt} times over {sum(delays):.1f} s"
+                raise StoreError(f"{what}: failed {times}; the last time: {one_line(exc, 300)}") from None
+            if type(exc).__name__ not in said:
+                said.add(type(exc).__name__)
+                left = delays[attempt - 1:]
+                logger.warning(f"warning: {what}: {one_line(exc, 200)}; trying again {len(left)} more time(s) over "
+                               f"{sum(left):g} s")
             time.sleep(delay)
     raise AssertionError("unreachable")
 
@@ -226,7 +261,8 @@ class DiskFolder:
 
 class StoreFolder:
     """A prefix in a store (``s3://BUCKET/PREFIX``), through fsspec: each file one object, written whole (one PUT, or a
-    multipart upload completed once all its parts are in) or not at all; every request retried (:func:`retried`)."""
+    multipart upload completed once all its parts are in) or not at all; every request retried (:func:`retried`), or
+    tried once within :func:`tried_once`."""
 
     def __init__(self, url: str, store: Store) -> None:
         import fsspec

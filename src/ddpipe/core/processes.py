@@ -1,5 +1,5 @@
-"""This host's processes: whether one is still alive (and still the one we knew), and a lock that every
-process on the host takes in turn.
+"""This host's processes: whether one is still alive (and still the one we knew), which work in a directory, and a
+lock that every process on the host takes in turn.
 
 A pid alone can be reused once its process is gone, so where it matters the pid travels with its start time
 (:func:`start_time`), which names one process for as long as the host runs.
@@ -17,6 +17,10 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import psutil
 
 
 def _stat(pid: int) -> tuple[str, list[str]] | None:
@@ -87,21 +91,50 @@ def stop_group(pid: int, started: str | None = None, grace_s: float = 10.0) -> b
     return True
 
 
-def working_in(directory: str | Path) -> list[int]:
-    """The pids of this host's processes that work in ``directory`` or below it (their current directory) or name it
-    in their command line: whatever a DVC experiment runs there (``dvc exp run``, the stage's launcher, torchrun, the
-    workers and their loader workers), this process left out. Zombies are not counted: they run nothing."""
+def within(path: str, directory: str) -> bool:
+    """Whether ``path`` is ``directory`` or below it, component by component (both absolute and normalised):
+    ``/s/trial-1`` holds ``/s/trial-1/ckpt`` and not ``/s/trial-10``."""
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def names_directory(argument: str, directories: tuple[str, ...], cwd: str | None) -> bool:
+    """Whether a command-line ``argument`` names one of ``directories`` (absolute, normalised) or a path below it:
+    the argument whole, or the value of ``--opt=PATH`` / ``key=PATH`` (split at the first '='); a relative path taken
+    from ``cwd``, the process's directory (left unjudged where that is unknown)."""
+    for value in {argument, argument.partition("=")[2]} - {""}:
+        if not os.path.isabs(value) and cwd is None:
+            continue
+        path = os.path.normpath(os.path.join(cwd or "", value))
+        if any(within(path, d) for d in directories):
+            return True
+    return False
+
+
+def processes_in(directory: str | Path) -> list[psutil.Process]:
+    """This host's processes (with ``info``: cmdline, cwd, status) that work in ``directory`` or below it (their current
+    directory) or name it or a path below it in their command line (:func:`names_directory`): whatever a DVC
+    experiment runs there (``dvc exp run``, the stage's launcher, torchrun, the workers and their loader workers), this
+    process left out. Paths are compared whole, component by component: a process of ``trial-10`` is not one of
+    ``trial-1``. Zombies are not counted: they run nothing."""
     import psutil
 
-    marker, found = str(Path(directory).resolve()), []
+    # the directory as given (made absolute) and with its links resolved: a command line may name either
+    marks = tuple({os.path.normpath(os.path.abspath(directory)), os.path.realpath(directory)})
+    found = []
     for p in psutil.process_iter(["cmdline", "cwd", "status"]):
         with contextlib.suppress(psutil.Error):
             if p.pid == os.getpid() or p.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
-            if f"{p.info['cwd'] or ''}{os.sep}".startswith(marker + os.sep) or \
-                    any(marker in a for a in p.info["cmdline"] or ()):
-                found.append(p.pid)
+            cwd = p.info["cwd"] or None
+            if (cwd is not None and any(within(cwd, m) for m in marks)) or \
+                    any(names_directory(a, marks, cwd) for a in p.info["cmdline"] or ()):
+                found.append(p)
     return found
+
+
+def working_in(directory: str | Path) -> list[int]:
+    """The pids of :func:`processes_in` ``directory``."""
+    return [p.pid for p in processes_in(directory)]
 
 
 def this_process() -> dict[str, str | int]:

@@ -13,9 +13,9 @@ whatever the number of images. Everything is written into a staging directory th
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -34,6 +34,8 @@ from ddpipe.data.images import BadImage, channel_sums, mean_std
 from ddpipe.data.splits import make_splits, relabel, select_classes
 from ddpipe.data.store import Prepared, PreparedDataError, RawWriter, ShardWriter, write_labels
 from ddpipe.data.verify import DataSourceError
+
+logger = logging.getLogger(__name__)
 
 PROBE_CHUNK, ENCODE_CHUNK, ARRAY_CHUNK = 256, 32, 4096  # files (arrays: images) per piece of work
 IN_FLIGHT_PER_WORKER = 3  # chunks handed out ahead per worker: enough to keep it busy, few to hold
@@ -61,11 +63,11 @@ def _cores() -> int:
 
 
 def _say(message: str) -> None:
-    print(f"prepare: {message}", flush=True)
+    logger.info(f"prepare: {message}")
 
 
 def _warn(message: str) -> None:
-    print(f"prepare: warning: {message}", file=sys.stderr, flush=True)
+    logger.warning(f"prepare: warning: {message}")
 
 
 # ---------------------------------------------------------------------------------------------

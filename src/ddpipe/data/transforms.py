@@ -18,6 +18,7 @@ same sample gets the same crop on any rank, in any worker, at any world size, af
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import warnings
 from collections.abc import Iterator
@@ -62,6 +63,13 @@ class BatchTransform:
         x = images.float().mul_(self.scale).add_(self.shift)
         return x.contiguous(memory_format=self.memory_format)
 
+    def in_layout(self, channels_last: bool) -> BatchTransform:
+        """This transform with its output in channels_last or the contiguous format (``auto`` times both layouts
+        on one loader: ``ddpipe.engine.timing``)."""
+        other = copy.copy(self)
+        other.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        return other
+
     def _augment(self, images: torch.Tensor, indices: torch.Tensor, epoch: int) -> torch.Tensor:
         key = _mix(_mix(torch.full_like(indices, self.seed & 0x7FFFFFFF)) ^ epoch)
         key = _mix(key ^ (indices & 0x7FFFFFFF))  # keys of repeated draws may exceed 31 bits
@@ -94,11 +102,24 @@ def decode(blob: np.ndarray | torch.Tensor, channels: int) -> torch.Tensor:
         return io.decode_image(blob, mode=mode)
 
 
+# Images decode_jpegs_on decoded in this process: on CUDA, nvJPEG's. EncodedBatch.to falls back to the CPU with a
+# warning where nvJPEG fails, so a GPU run can only tell that nvJPEG decoded by counting (tests/test_gpu.py does).
+_decoded_on_device = 0
+
+
 def decode_jpegs_on(device: torch.device, blobs: list[torch.Tensor], channels: int) -> list[torch.Tensor]:
     """JPEG files decoded on a CUDA ``device`` in one batched call (nvJPEG through torchvision's
-    ``decode_jpeg``), each a uint8 ``C x H x W`` tensor there."""
+    ``decode_jpeg``), each a uint8 ``C x H x W`` tensor there; counted (:func:`decoded_on_device`)."""
+    global _decoded_on_device
     with _decoders(channels) as (io, mode):
-        return io.decode_jpeg(blobs, mode=mode, device=device)
+        images = io.decode_jpeg(blobs, mode=mode, device=device)
+    _decoded_on_device += len(images)
+    return images
+
+
+def decoded_on_device() -> int:
+    """How many images :func:`decode_jpegs_on` has decoded in this process (failed batches not counted)."""
+    return _decoded_on_device
 
 
 @contextlib.contextmanager

@@ -201,9 +201,3 @@ def broadcast_object(obj: object, info: DistInfo) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def print0(*args: object, info: DistInfo | None = None, **kwargs: object) -> None:
-    """Print on global rank 0 only."""
-    if info is None or info.is_main:
-        print(*args, **kwargs, flush=True)

@@ -20,8 +20,8 @@ holding a lease, plus this one), and waits while none it needs are free. Its wor
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +32,8 @@ import torch
 
 from ddpipe.core.devices import cpu_count
 from ddpipe.core.processes import alive, host_lock, start_time
+
+logger = logging.getLogger(__name__)
 
 REGISTRY = Path(tempfile.gettempdir()) / f"ddpipe-{os.getuid()}-workers"
 GPU_REGISTRY = Path(tempfile.gettempdir()) / f"ddpipe-{os.getuid()}-gpus"
@@ -193,8 +195,8 @@ class GpuLease:
         said = False
         while (taken := self._try_take()) is None:
             if not said:
-                print(f"ddpipe.launch: waiting for {self.count or 1} free GPU(s) of {','.join(self.pool)}: other "
-                      f"trainings on this host hold them (leases in {self.registry})", file=sys.stderr, flush=True)
+                logger.info(f"ddpipe.launch: waiting for {self.count or 1} free GPU(s) of {','.join(self.pool)}: "
+                            f"other trainings on this host hold them (leases in {self.registry})")
                 said = True
             time.sleep(self.poll_s)
         self.gpus = taken

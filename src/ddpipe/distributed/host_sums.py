@@ -15,6 +15,7 @@ of its own. A rank that dies is noticed at once (its pid is gone); one that stop
 raise a timeout after ``distributed.timeout_s``, which the trainer reports like gloo's.
 """
 
+import logging
 import os
 import platform
 import secrets
@@ -25,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ddpipe.core.processes import alive
+
+logger = logging.getLogger(__name__)
 
 SLOT_BYTES = 1 << 20  # per rank and parity: BatchNorm statistics and DDP's first (1 MiB) gradient bucket
 SHM_DIR = Path("/dev/shm")
@@ -124,7 +127,7 @@ def open_segment(rank: int, world: int, timeout_s: float) -> HostReduce | None:
         return HostReduce(rank, world, timeout_s)
     except SegmentUnavailable as exc:
         if rank == 0:
-            print(f"warning: shared-memory sums unavailable ({exc}); summing over gloo", flush=True)
+            logger.warning(f"warning: shared-memory sums unavailable ({exc}); summing over gloo")
         return None
 
 

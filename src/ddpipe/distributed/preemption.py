@@ -23,10 +23,10 @@ preemption does (every rank of every node agrees on that step), and anywhere els
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import stat
-import sys
 import threading
 import time
 from typing import Any
@@ -34,10 +34,12 @@ from typing import Any
 import torch
 
 from ddpipe.core.environment import LAUNCHER_ENV
-from ddpipe.core.exits import STOP_SIGNALS, Preempted
+from ddpipe.core.exits import STOP_SIGNALS, Preempted, StoreAway
 from ddpipe.core.processes import alive, start_time
 from ddpipe.core.ranks import DistInfo
 from ddpipe.distributed.group import flag_group, start_max
+
+logger = logging.getLogger(__name__)
 
 
 class StopRequests:
@@ -59,15 +61,15 @@ class StopRequests:
     def __exit__(self, exc_type: object, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        # every rank issued the last exchange when all end normally or stop together: let it complete
-        if self._pending is not None and (exc_type is None or exc_type is Preempted):
+        # every rank issued the last exchange when all end normally or stop together (a signal, a store away): let it
+        # complete
+        if self._pending is not None and exc_type in (None, Preempted, StoreAway):
             self._pending[0].wait()
         self._pending = None
 
     def _record(self, signum: int, frame: object) -> None:
         if not self.signum and self._main:
-            print(f"received {signal.Signals(signum).name}: stopping at the next step, after a checkpoint",
-                  file=sys.stderr, flush=True)
+            logger.warning(f"received {signal.Signals(signum).name}: stopping at the next step, after a checkpoint")
         self.signum = self.signum or signum
 
     def agreed(self) -> int:
@@ -132,8 +134,8 @@ def _follow(watched: dict[str, tuple[int, str | None]], label: str) -> None:
         for name, (pid, started) in watched.items():
             if pid == 1 or not alive(pid, started):  # pid 1: the agent was gone before this worker looked
                 quiet_orphaned_output()
-                print(f"{label}: the {name} (pid {pid}) has ended: stopping at the next step, after a checkpoint",
-                      file=sys.stderr, flush=True)
+                logger.warning(f"{label}: the {name} (pid {pid}) has ended: stopping at the next step, after a "
+                               "checkpoint")
                 os.kill(os.getpid(), signal.SIGTERM)
                 if not STOPPING.wait(STEP_GRACE_S):
                     _leave(f"{label}: no step boundary within {STEP_GRACE_S:g} s (a validation pass, or the outputs "
@@ -145,7 +147,7 @@ def _follow(watched: dict[str, tuple[int, str | None]], label: str) -> None:
 
 def _leave(why: str) -> None:
     """End this process at once (its launcher is gone: nobody waits for what is left to do), saying why."""
-    print(why, file=sys.stderr, flush=True)
+    logger.warning(why)
     os._exit(128 + signal.SIGTERM)
 
 

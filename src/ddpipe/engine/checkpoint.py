@@ -10,7 +10,8 @@ read before anything else in it; :func:`upgraded` brings older formats to today'
 
 ``paths.checkpoints`` is a directory of this host or a prefix in an object store (``s3://BUCKET/PREFIX``, the store
 found as ddpipe.core.objectstore finds it): either way a checkpoint is written whole or not at all, a reader sees the
-newest whole one, and a store that fails is retried, then named; a multi-node job needs no shared disk for them.
+newest whole one, and a store that fails is retried; a multi-node job needs no shared disk for them. A store that is
+away is a pause, not the training's end: see :class:`Checkpointer`.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import random
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,13 +30,18 @@ import numpy as np
 import torch
 
 from ddpipe.core.errors import one_line
-from ddpipe.core.objectstore import DiskFolder, Folder, StoreError, StoreFolder, check, folder
+from ddpipe.core.exits import StoreAway
+from ddpipe.core.objectstore import DiskFolder, Folder, StoreError, StoreFolder, check, folder, is_store_url
 from ddpipe.core.ranks import DistInfo
+from ddpipe.core.store_lease import lease_on
 from ddpipe.data.transforms import IMAGENET_CROP_RATIO
-from ddpipe.distributed.group import barrier, broadcast_object, print0
+from ddpipe.distributed.group import broadcast_object
 from ddpipe.engine.meters import EpochProgress
 from ddpipe.engine.selection import RAW
+from ddpipe.engine.store_pause import StorePause
 from ddpipe.tracking.run_store import repo_root
+
+logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^ckpt-(?P<fp>[0-9a-f]{12})-e(?P<epoch>\d{4,})-s(?P<step>\d{6,})\.pt$")
 # The format of what a checkpoint holds, written into it as ``format_version``. 0: written before format versions
@@ -90,6 +96,12 @@ def checkpoint_name(fp: str, pos: Position) -> str:
     return f"ckpt-{fp}-e{pos.epoch:04d}-s{pos.step:06d}.pt"
 
 
+def checkpoint_words(pos: Position) -> str:
+    """A checkpoint in words: "the checkpoint after epoch 2", "the checkpoint at step 8 of epoch 3" (epochs from 1)."""
+    return f"the checkpoint at step {pos.step} of epoch {pos.epoch + 1}" if pos.step else \
+        f"the checkpoint after epoch {pos.epoch}"
+
+
 def checkpoint_path(directory: Path, fp: str, pos: Position) -> Path:
     return Path(directory) / checkpoint_name(fp, pos)
 
@@ -129,9 +141,13 @@ def list_checkpoints(directory: Path, fp: str | None = None) -> list[tuple[Posit
 
 def save_checkpoint(where: Where, fp: str, pos: Position, state: dict[str, Any], keep: int) -> str | Path:
     """Write ``state`` whole or not at all (a directory's: temp file, fsync, os.replace; a store's: one object, shown
-    only once complete), then keep the ``keep`` newest of this fingerprint; its path or URL. Call on global rank 0
-    only; the caller then meets the other ranks at a barrier."""
+    only once complete), then keep the ``keep`` newest of this fingerprint; its path or URL. In a store whose lease
+    this process holds (ddpipe.core.store_lease), the lease is renewed first, and a lease another training took
+    over stops it here, with nothing written (LeaseLost). Call on global rank 0 only; the caller then meets the other
+    ranks at a barrier."""
     place = checkpoint_folder(where)
+    if (lease := lease_on(place.where)) is not None:  # a store's place: still this training's, renewed, or LeaseLost
+        lease.check()
     payload = {**state, "position": torch.tensor([pos.epoch, pos.step]), "fingerprint": fp,
                "format_version": CHECKPOINT_FORMAT}
     written = place.write(checkpoint_name(fp, pos), lambda f: torch.save(payload, f))
@@ -158,8 +174,7 @@ def load_latest(where: Where, fp: str) -> tuple[Position, dict[str, Any]] | None
             raise
         except Exception as exc:  # truncated zip, bad pickle, refused global: all unusable
             failures.append(f"{name}: {one_line(exc, 200)}")
-            print(f"warning: checkpoint {path} cannot be loaded ({failures[-1]}); trying an older one",
-                  file=sys.stderr, flush=True)
+            logger.warning(f"warning: checkpoint {path} cannot be loaded ({failures[-1]}); trying an older one")
             continue
         # its format first: a newer ddpipe's checkpoint stops the resume, never skipped for an older one
         version = check_format(state, path) if isinstance(state, dict) else None
@@ -216,11 +231,15 @@ class Stateful(Protocol):
 
 class Checkpointer:
     """One run's checkpoints in ``directory`` (a directory or a store's prefix): rank 0 reads and writes them; every
-    rank gets what rank 0 read, and waits at a barrier until what it writes is whole where it goes."""
+    rank gets what rank 0 read, and waits until what it writes is whole where it goes. In a store, rank 0 writes through
+    a :class:`~ddpipe.engine.store_pause.StorePause`: a store away is a pause (its checkpoints skipped, the training
+    going on, the last one waited for: :meth:`flush`), and one away for ``ddpipe.core.objectstore.STORE_OUTAGE_S``
+    stops every rank with StoreAway at the checkpoint that finds it so (exit 75)."""
 
     def __init__(self, directory: str | Path, fp: str, keep: int, info: DistInfo) -> None:
         self.directory, self.fp, self.keep, self.info = str(directory), fp, keep, info
         self._folder: Folder | None = None
+        self._pause: StorePause | None = None
 
     @property
     def folder(self) -> Folder:
@@ -228,12 +247,34 @@ class Checkpointer:
             self._folder = checkpoint_folder(self.directory)
         return self._folder
 
+    @property
+    def pause(self) -> StorePause:
+        """Rank 0's writes through the store's outages (see ddpipe.engine.store_pause)."""
+        if self._pause is None:
+            endpoint = self.folder.store.endpoint if isinstance(self.folder, StoreFolder) else None
+            self._pause = StorePause(f"the store of paths.checkpoints ({self.directory}, endpoint {endpoint or 'AWS'})")
+        return self._pause
+
     def save(self, pos: Position, parts: dict[str, Stateful], **values: Any) -> None:
-        """The checkpoint of ``pos``: each part's ``state_dict()``, the RNG states, and ``values``."""
+        """The checkpoint of ``pos``: each part's ``state_dict()``, the RNG states, and ``values``. A collective."""
+        stop = None
         if self.info.is_main:
             state = {name: part.state_dict() for name, part in parts.items()}
-            save_checkpoint(self.folder, self.fp, pos, {**state, "rng": rng_state(), **values}, self.keep)
-        barrier(self.info)
+            stop = self.pause.write(checkpoint_name(self.fp, pos), checkpoint_words(pos),
+                                    {**state, "rng": rng_state(), **values},
+                                    lambda kept: save_checkpoint(self.folder, self.fp, pos, kept, self.keep))
+        self._agree(stop)
+
+    def flush(self) -> None:
+        """Before the training's outputs: its last checkpoint, if its store was away then, written once the store is
+        back (StorePause.wait), or StoreAway. A collective; nothing to wait for on a disk."""
+        if is_store_url(self.directory):
+            self._agree(self.pause.wait() if self.info.is_main else None)
+
+    def _agree(self, stop: str | None) -> None:
+        """Rank 0's verdict on every rank, once what it wrote is whole where it goes: go on, or StoreAway."""
+        if stop := broadcast_object(stop, self.info):  # type: ignore[assignment]
+            raise StoreAway(stop)
 
     def restore(self, parts: dict[str, Stateful]) -> tuple[Position, dict[str, Any]] | None:
         """Load the newest loadable checkpoint of this run into ``parts`` and the RNGs on every rank;
@@ -241,11 +282,12 @@ class Checkpointer:
         found = None
         if self.info.is_main:
             found = load_latest(self.folder, self.fp)
+            self.pause.newest = checkpoint_name(self.fp, found[0]) if found is not None else None
             if found is None:
                 others = other_runs(self.folder, self.fp)
                 why = f"{len(others)} checkpoint(s) there belong to other configurations" if others else \
                     "no checkpoint yet"
-                print0(f"starting fresh ({self.directory}: {why})")
+                logger.info(f"starting fresh ({self.directory}: {why})")
         found = broadcast_object(found, self.info)
         if found is None:
             return None

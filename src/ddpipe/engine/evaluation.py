@@ -10,6 +10,7 @@ accuracy (the export stage, after it, moves the champion alias).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from ddpipe.models.served import ImageClassifier
 from ddpipe.tracking.champion import split_digest
 from ddpipe.tracking.outbox import read_run_info
 from ddpipe.tracking.tracker import RunLogger
+
+logger = logging.getLogger(__name__)
 
 
 def classification_metrics(labels: np.ndarray, preds: np.ndarray, classes: list[str]) -> dict:
@@ -129,10 +132,13 @@ def _log_to_run(cfg: Config, test: dict, per_class: dict, reports: Path) -> None
     run_info = Path(cfg.paths.run_info)
     run_id = read_run_info(run_info).get("run_id") if run_info.is_file() else ""
     if not run_id:
-        print(f"note: no MLflow run recorded in {run_info}; test metrics are in {cfg.paths.test_metrics} only")
+        logger.info(f"note: no MLflow run recorded in {run_info}; test metrics are in {cfg.paths.test_metrics} only")
         return
     tracker = RunLogger(cfg.mlflow, run_id)  # the run keeps the status the training gave it
-    flat = {TEST_ACCURACY: test["accuracy"], TEST_LOSS: test["loss"], TEST_MACRO_F1: test["macro_f1"]}
+    # the headline figures are linked to the logged model they measured as well (MLflow's Models tab)
+    tracker.log_model_metrics({TEST_ACCURACY: test["accuracy"], TEST_LOSS: test["loss"],
+                               TEST_MACRO_F1: test["macro_f1"]}, test.get("model_epoch"))
+    flat = {}
     for name, pc in per_class.items():
         key = "".join(ch if ch.isalnum() else "_" for ch in name)
         flat[f"test_precision_{key}"] = pc["precision"]

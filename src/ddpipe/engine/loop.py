@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
-import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, replace
 from typing import Any
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ddpipe.core.devices import PrecisionPolicy
-from ddpipe.core.exits import Preempted
+from ddpipe.core.exits import Preempted, StoreAway
 from ddpipe.core.ranks import DistInfo
 from ddpipe.distributed import group as dd
 from ddpipe.distributed.host_leases import HostShare
@@ -42,6 +42,7 @@ from ddpipe.engine.resolved import Resolved, resolve
 from ddpipe.engine.stage_outputs import TrainingOutputs, hold_training, run_markers, save_outputs, write_progress
 from ddpipe.tracking.system_metrics import NoSystemMetrics, monitor_node
 
+logger = logging.getLogger(__name__)
 # a validation's figures, by the epoch metrics' names (the ema_ ones with a weight average)
 VALIDATION_KEYS = ("val_loss", "val_accuracy", "ema_val_loss", "ema_val_accuracy")
 
@@ -78,8 +79,8 @@ class Trainer:
             if signum := self.stops.agreed():  # this position's checkpoint is on disk already
                 raise Preempted(signum, epoch, pos.step if resumed else 0)
             if self.selection.should_stop(epoch):
-                dd.print0(f"early stopping after epoch {epoch}: no better validation accuracy since epoch "
-                          f"{self.selection.best_epoch} ({self.selection.best_val_accuracy:.4f})", info=self.info)
+                logger.info(f"early stopping after epoch {epoch}: no better validation accuracy since epoch "
+                            f"{self.selection.best_epoch} ({self.selection.best_val_accuracy:.4f})")
                 break
             stats = self.train_epoch(epoch, pos.step if resumed else 0, progress if resumed else EpochProgress())
             self._end_epoch(stats)
@@ -91,8 +92,8 @@ class Trainer:
         if self.finetune.set_epoch(self.module, epoch):  # DDP hooks the parameters that need gradients: re-wrap
             del self.model
             self.model = wrap(self.module, self.info, self.cfg.train.compile)
-            dd.print0(f"epoch {epoch + 1}: the body is {'frozen' if self.finetune.frozen else 'trained again'} "
-                      f"(train.freeze_body_epochs = {self.cfg.train.freeze_body_epochs})", info=self.info)
+            logger.info(f"epoch {epoch + 1}: the body is {'frozen' if self.finetune.frozen else 'trained again'} "
+                        f"(train.freeze_body_epochs = {self.cfg.train.freeze_body_epochs})")
         bar = make_progress(self.info, self.cfg.train.progress_bar, f"epoch {epoch + 1}/{self.cfg.num_epochs}",
                             self.steps_per_epoch, start_step)
         self.model.train()
@@ -107,7 +108,7 @@ class Trainer:
         done = meter.total(self.info)
         stats = EpochStats.from_progress(epoch, done, self.optim.lr, self.validate(),
                                          self.validate(self.ema) if self.ema else None)
-        dd.print0(stats.summary(self.cfg.num_epochs), info=self.info)
+        logger.info(stats.summary(self.cfg.num_epochs))
         return stats
 
     def train_step(self, micro_batches: list[tuple], epoch: int, step: int, meter: EpochMeter) -> None:
@@ -182,7 +183,7 @@ class Trainer:
         self.last_validation = dict(state.get("last_validation") or {})  # none in a checkpoint from before it was kept
         done = pos.epoch >= self.cfg.num_epochs or self.selection.should_stop(pos.epoch)
         was = int(state["world_size"] or self.info.world_size)  # None: not recorded (checkpoint format 0)
-        dd.print0(resume_note(self.cfg.paths.checkpoints, pos, done, was, self.info.world_size), info=self.info)
+        logger.info(resume_note(self.cfg.paths.checkpoints, pos, done, was, self.info.world_size))
         progress = EpochProgress.from_state(state["epoch_progress"])
         return pos, state.get("run_id") or None, progress
 
@@ -194,10 +195,11 @@ class Trainer:
                                     run_markers(self.cfg), self.run.model_name)
         run_id = dd.broadcast_object(run_id, self.info)
         self.system = monitor_node(self.cfg.mlflow, self.info, run_id, resume_run_id is not None)
-        dd.print0(describe(self.run, self.info, self.compute, self.optim.effective_lr, derived), info=self.info)
+        logger.info(describe(self.run, self.info, self.compute, self.optim.effective_lr, derived))
 
     def finish(self) -> dict[str, float]:
         """Write the run's outputs (rank 0) and close its MLflow run."""
+        self.checkpointer.flush()  # the last checkpoint first: a store away then is waited for (engine.store_pause)
         weights, exported_epoch, source = self.selection.exported(self.module, len(self.history), self.ema)
         metrics = stage_metrics(self, exported_epoch, source)
         seen = replace(self.data.meta, image_size=self.data.eval_size)  # the input the saved model takes
@@ -260,8 +262,7 @@ def validate_inside(t: Trainer, epoch: int, step: int) -> dict[str, float]:
     t.model.train()
     t.finetune.freeze_batchnorm(t.module)
     t.last_validation = validation_figures(epoch + 1, step, values)
-    dd.print0(f"epoch {epoch + 1}, step {step}/{t.steps_per_epoch}: val loss {loss:.4f} acc {accuracy:.4f}",
-              info=t.info)
+    logger.info(f"epoch {epoch + 1}, step {step}/{t.steps_per_epoch}: val loss {loss:.4f} acc {accuracy:.4f}")
     return values
 
 
@@ -289,8 +290,8 @@ def rebalance(t: Trainer, epoch: int, step: int) -> None:
     """After step ``step`` of ``epoch`` (from 0): the threads of this host's trainings shared anew when one started or
     ended beside this one (ddpipe.distributed.host_leases), said and logged."""
     if threads := t.share.rebalance():
-        dd.print0(f"threads per process now {threads} from epoch {epoch + 1}, step {step} (trainings sharing this "
-                  "host's cores)", info=t.info)
+        logger.info(f"threads per process now {threads} from epoch {epoch + 1}, step {step} (trainings sharing "
+                    "this host's cores)")
         t.tracker.log_metrics({"threads_per_process": threads}, step=epoch * t.steps_per_epoch + step)
 
 
@@ -346,7 +347,7 @@ def agreed_auto(run: Resolved, info: DistInfo) -> Resolved:
     if run.auto is None or not info.distributed or (mine := run.auto.to_json()) == (
             chosen := dd.broadcast_object(mine, info)):
         return run
-    print(f"rank {info.rank}: auto as global rank 0 measured it, not as this node did", file=sys.stderr, flush=True)
+    logger.warning(f"rank {info.rank}: auto as global rank 0 measured it, not as this node did")
     return resolve(run.cfg, run.device, run.meta, autotune.Choice.from_json(chosen))
 
 
@@ -378,14 +379,14 @@ def train(run: Resolved) -> dict[str, float]:
             return trainer.fit()
     except BaseException as exc:
         if isinstance(exc, Diverged) and info.is_main:  # its one line first, before what a stop could cut short
-            print(str(exc), file=sys.stderr, flush=True)
+            logger.error(str(exc))
         if trainer is not None:  # this node's system metrics stop, and the run ends saying why
             trainer.system.stop()
             trainer.tracker.end_after(exc)
         if isinstance(exc, Diverged):  # every rank stopped at this step: none leaves before rank 0 closed the run
             search_trial_after_divergence(info, exc.epoch, exc.step, str(exc))  # a search learns from it
             dd.barrier(info)  # (torchrun stops the group once one rank has left)
-        if isinstance(exc, Preempted):  # a search's trial runs again under its number, from this step
+        if isinstance(exc, (Preempted, StoreAway)):  # a search's trial runs again under its number, from its checkpoint
             search_trial_after_stop(info, str(exc))
         if isinstance(exc, RuntimeError) and info.distributed and dd.is_timeout(exc):
             # DistBackendError is a RuntimeError: fail within the bound, naming the silent ranks

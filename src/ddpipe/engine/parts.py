@@ -10,6 +10,7 @@ draws from the global RNG.
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -34,6 +35,8 @@ from ddpipe.engine.resolved import Resolved
 from ddpipe.engine.selection import ModelSelection
 from ddpipe.models.nets import global_pools_as_reductions
 from ddpipe.tracking.tracker import Tracker, make_tracker
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -97,7 +100,7 @@ def placed_network(run: Resolved, info: DistInfo, compute: PrecisionPolicy) -> t
     torch.manual_seed(run.cfg.seed)
     network = build_network(run, info)
     for line in network.notes:
-        dd.print0(line, info=info)
+        logger.info(line)
     if run.deterministic_kernels(info.device):
         global_pools_as_reductions(network.module)
     return network, compute.place(network.module)

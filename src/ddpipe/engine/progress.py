@@ -2,22 +2,26 @@
 ``train.progress_bar`` is off): the training loop updates it unconditionally.
 
 On a terminal it is a tqdm bar. Where stderr is not a terminal (``dvc repro > log 2>&1``, a SLURM job's output,
-CI) a bar's carriage-return redraws pile up into one endless line of the log, so there it is a plain line at
-every fifth of the epoch and at least every two minutes; the loop's epoch line follows each epoch's last step."""
+CI) a bar's carriage-return redraws pile up into one endless line of the log, so there it is a plain line (a message
+of this module's logger) at every fifth of the epoch and at least every two minutes; the loop's epoch line follows
+each epoch's last step. Neither where ddpipe's messages are not shown at INFO (``-q``)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
 from collections.abc import Callable
-from typing import Protocol, TextIO
+from typing import Protocol
 
 from ddpipe.core.ranks import DistInfo
 from ddpipe.engine.meters import EpochProgress
 
 LINES_PER_EPOCH = 5  # a line at every 1/5 of the epoch (not at its end: the epoch line says it)
 LINE_EVERY_S = 120.0  # and one at least this often, so a log of long epochs still shows it is alive
+
+logger = logging.getLogger(__name__)
 
 
 class Meter(Protocol):
@@ -55,14 +59,14 @@ class Progress(NullProgress):
 
 
 class LineProgress(NullProgress):
-    """A plain line now and then (a log file): ``epoch 2/5: step 120/300 (40%), loss 0.4321, 5230 images/s,
-    0:12 elapsed, 0:18 left``, at every ``1/LINES_PER_EPOCH`` of the epoch and at least every ``LINE_EVERY_S``.
-    The figures are this process's since it started the epoch (a resumed epoch: since the resume)."""
+    """A plain line now and then (a log file), through ``say``: ``epoch 2/5: step 120/300 (40%), loss 0.4321, 5230
+    images/s, 0:12 elapsed, 0:18 left``, at every ``1/LINES_PER_EPOCH`` of the epoch and at least every
+    ``LINE_EVERY_S``. The figures are this process's since it started the epoch (a resumed epoch: since the resume)."""
 
-    def __init__(self, desc: str, total: int, initial: int, world_size: int, stream: TextIO,
+    def __init__(self, desc: str, total: int, initial: int, world_size: int, say: Callable[[str], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.desc, self.total, self.initial, self.world_size = desc, total, initial, world_size
-        self.stream, self.clock = stream, clock
+        self.say, self.clock = say, clock
         self.every = max(1, math.ceil(total / LINES_PER_EPOCH))
         self.next_step = (initial // self.every + 1) * self.every
         self.started = self.last = clock()
@@ -73,7 +77,7 @@ class LineProgress(NullProgress):
         if step >= self.total or (step < self.next_step and now - self.last < LINE_EVERY_S):
             return
         self.next_step, self.last = (step // self.every + 1) * self.every, now
-        print(self._line(step, meter.local(), now - self.started), file=self.stream, flush=True)
+        self.say(self._line(step, meter.local(), now - self.started))
 
     def _line(self, step: int, so_far: EpochProgress, elapsed: float) -> str:
         done = step - self.initial
@@ -93,9 +97,9 @@ def _clock(seconds: float) -> str:
 
 def make_progress(info: DistInfo, enabled: bool, desc: str, total: int, initial: int) -> NullProgress:
     """The epoch's progress of ``total`` steps from ``initial`` on global rank 0 (a bar on a terminal, plain lines
-    in a log), a do-nothing one elsewhere."""
-    if not (enabled and info.is_main):
+    in a log), a do-nothing one elsewhere and where INFO messages are not shown."""
+    if not (enabled and info.is_main and logger.isEnabledFor(logging.INFO)):
         return NullProgress()
     if sys.stderr.isatty():
         return Progress(desc, total, initial, info.world_size)
-    return LineProgress(desc, total, initial, info.world_size, sys.stderr)
+    return LineProgress(desc, total, initial, info.world_size, logger.info)

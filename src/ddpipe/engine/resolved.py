@@ -29,6 +29,7 @@ from ddpipe.data.loaders import TrainingData, Views
 from ddpipe.data.store import Prepared, load_meta
 from ddpipe.data.transforms import IMAGENET_CROP_RATIO
 from ddpipe.engine.autotune import Ask, Choice, choose
+from ddpipe.engine.timing import LoaderFeed
 from ddpipe.models.catalog import RENAMED
 
 # What ``model.name: auto`` and ``train.batch_size_per_rank: auto`` become, by device (BENCHMARKS.md,
@@ -48,6 +49,9 @@ AUTO_CHOICES = {  # device_kind -> (model.name, train.batch_size_per_rank)
 AUTO_LARGE_INPUT = {"cpu": ("resnet18", 64), "cpu-amx": ("resnet18", 64), "cuda": ("resnet50", 128)}
 # data.image_size null for encoded images: torchvision's classification default
 DEFAULT_ENCODED_SIZE = 224
+# What data.decode_on: auto means, on every device: the loader's workers. Decoding on the GPU (nvJPEG) has never been
+# timed against them (issue 71); it becomes auto's on CUDA once `make gpu-check` shows it at least as fast at 224 px.
+AUTO_DECODE_ON = "workers"
 
 
 @dataclass(frozen=True)
@@ -145,10 +149,10 @@ class Resolved:
 
     @property
     def decode_on_device(self) -> bool:
-        """Whether encoded images are decoded on the training device (``data.decode_on``; auto: on CUDA)."""
+        """Whether encoded images are decoded on the training device (``data.decode_on``; auto:
+        :data:`AUTO_DECODE_ON`)."""
         setting = self.cfg.data.decode_on
-        on_device = setting == "device" or (setting == "auto" and self.device.type == "cuda")
-        return on_device and self.meta.encoding != "raw"
+        return (AUTO_DECODE_ON if setting == "auto" else setting) == "device" and self.meta.encoding != "raw"
 
     def global_batch_size(self, world_size: int) -> int:
         return self.batch_size_per_rank * world_size * self.cfg.train.grad_accum_steps
@@ -169,8 +173,8 @@ class Resolved:
     def params(self) -> dict[str, Any]:
         """Every config key flattened, with the values ``auto`` took: what the run records as its params."""
         measured = {"auto_key": self.auto.key, "auto_source": self.auto.source,  # why it chose what it chose
-                    "auto_table": "; ".join(f"{label}: {rate:.0f}/s" for label, rate in self.auto.table)[:6000]} \
-            if self.auto else {}
+                    "auto_basis": self.auto.basis[:6000], "auto_spread": round(self.auto.spread, 3),
+                    "auto_table": self.auto.summary()[:6000]} if self.auto else {}
         return {**flatten(self.cfg), "model.name": self.model_name,
                 "data.decode_on": "device" if self.decode_on_device else "workers",
                 "train.batch_size_per_rank": self.batch_size_per_rank,
@@ -228,21 +232,23 @@ def resolve(cfg: Config, device: torch.device, meta: Prepared | None = None, cho
 
 def measured_choice(cfg: Config, device: torch.device, meta: Prepared | None = None) -> Choice | None:
     """What ``auto`` becomes on this machine kind by measuring (:mod:`ddpipe.engine.autotune`: its cache, or a few
-    seconds of each candidate now): on a CPU with ``train.auto_by: measured`` when any of the keys it picks is
-    ``auto``; else None (the fixed table)."""
+    seconds of each candidate now, fed by the training's loader over ``paths.prepared``): on a CPU with
+    ``train.auto_by: measured`` when any of the keys it picks is ``auto``; else None (the fixed table)."""
     tc, d = cfg.train, cfg.distributed
     picks = (cfg.model.name, tc.batch_size_per_rank, tc.precision, tc.channels_last)
     if device.type != "cpu" or tc.auto_by != "measured" or "auto" not in picks:
         return None
-    meta = load_meta(cfg.paths.prepared) if meta is None else meta
-    side = input_size(meta, cfg.data.image_size)[0]
+    table = resolve(cfg, device, meta)  # what `auto_by: table` trains: a candidate must beat it by the margin
+    side, workers = table.input_size[0], table.loader_workers(cpu_count())
     precision = None if tc.precision == "auto" else resolve_precision(tc.precision, device)
     return choose(Ask(network=None if cfg.model.name == "auto" else cfg.model.name, model=cfg.model,
-                      channels=meta.num_channels, classes=len(meta.classes), side=side,
+                      channels=table.meta.num_channels, classes=len(table.meta.classes), side=side,
                       large=side > SMALL_IMAGE_SIDE, precision=precision,
                       batch_size_per_rank=None if tc.batch_size_per_rank == "auto" else int(tc.batch_size_per_rank),
                       channels_last=None if tc.channels_last == "auto" else tc.channels_last == "on",
-                      threads=d.threads_per_process))
+                      threads=d.threads_per_process, feed=LoaderFeed.describe(table, workers),
+                      table_pick=(table.model_name, table.batch_size_per_rank, table.precision, table.channels_last)),
+                  feed=lambda: LoaderFeed.of(table, workers))
 
 
 def device_kind(device: torch.device) -> str:
@@ -366,7 +372,7 @@ class Job:
 def resolve_job(d: DistributedConfig) -> Job:
     """Processes on this node and the job's nodes. ``auto``: one process per visible GPU; on a CPU-only machine
     one process that uses every core as intra-op threads, which measured faster than one single-thread process
-    per core (BENCHMARKS.md, "DDP overhead" and "`auto` by measuring"). An int is refused above the GPUs (CUDA) or
+    per core (BENCHMARKS.md, "DDP on one host" and "`auto` by measuring"). An int is refused above the GPUs (CUDA) or
     cores (CPU)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     nodes = [int(n) for n in d.nnodes.split(":")]  # N or MIN:MAX, checked by the config's checks

@@ -11,20 +11,21 @@ lives. A queued experiment's checkpoints are kept in the user's repository, not 
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from ddpipe.config.keys import flatten
 from ddpipe.config.schema import Config
-from ddpipe.core.claims import Claim, StoreLease
+from ddpipe.core.claims import Claim
 from ddpipe.core.environment import CLAIM_ENV
 from ddpipe.core.files import atomic_write_json, atomic_write_text
 from ddpipe.core.metric_names import MODEL_VAL_ACCURACY
-from ddpipe.core.objectstore import is_store_url
+from ddpipe.core.objectstore import StoreFolder, is_store_url
 from ddpipe.core.ranks import DistInfo
+from ddpipe.core.store_lease import StoreLease
 from ddpipe.data.store import Prepared
 from ddpipe.engine.checkpoint import checkpoint_folder, fingerprint
 from ddpipe.engine.meters import EpochStats
@@ -32,6 +33,8 @@ from ddpipe.engine.resolved import Resolved
 from ddpipe.models.saved import save_model
 from ddpipe.tracking.outbox import outbox_root, write_run_info
 from ddpipe.tracking.tracker import Tracker
+
+logger = logging.getLogger(__name__)
 
 # The train stage's outputs, by their paths.* key (dvc.yaml's outs of the train stage)
 OUTPUT_KEYS = ("model", "run_info", "train_metrics", "history")
@@ -89,7 +92,7 @@ def claim_training(cfg: Config, role: str) -> Claim:
 
 class Hold:
     """A worker's hold on what its training writes: its claim on this host's directories, and with checkpoints in a
-    store, global rank 0's lease there (ddpipe.core.claims.StoreLease)."""
+    store, global rank 0's lease there (ddpipe.core.store_lease)."""
 
     def __init__(self, claim: Claim | None, lease: StoreLease | None = None) -> None:
         self.claim, self.lease = claim, lease
@@ -105,7 +108,9 @@ def hold_training(cfg: Config, info: DistInfo) -> Hold:
     """This worker's hold on its training's directories: it joins the claim its launcher took (:data:`CLAIM_ENV`);
     started otherwise, global rank 0 takes one (a plain process, a torchrun by hand, a node of a several-node job:
     their launchers cannot tell which node writes) and the other ranks, which write nothing there, hold none. With
-    ``paths.checkpoints`` in a store, global rank 0 also takes the lease there, whichever node it runs on."""
+    ``paths.checkpoints`` in a store, global rank 0 also takes the lease there, whichever node it runs on, and
+    renews it before each checkpoint it writes (ddpipe.engine.checkpoint.save_checkpoint): a training whose lease
+    was taken over stops there (LeaseLost) without writing it."""
     if token := os.environ.get(CLAIM_ENV):
         claim = Claim.join(training_places(cfg), token, f"rank {info.rank}")
     else:
@@ -113,7 +118,9 @@ def hold_training(cfg: Config, info: DistInfo) -> Hold:
     if not (info.is_main and is_store_url(cfg.paths.checkpoints)):
         return Hold(claim)
     try:
-        return Hold(claim, StoreLease.take(checkpoint_folder(cfg.paths.checkpoints), "paths.checkpoints", "rank 0"))
+        place = checkpoint_folder(cfg.paths.checkpoints)
+        assert isinstance(place, StoreFolder)
+        return Hold(claim, StoreLease.take(place, "paths.checkpoints", "rank 0"))
     except BaseException:
         if claim is not None:
             claim.release()
@@ -145,11 +152,13 @@ def save_outputs(run: Resolved, outputs: TrainingOutputs, tracker: Tracker, info
     atomic_write_json(paths.train_metrics, {"train": outputs.metrics})
     atomic_write_text(paths.history, history_csv(outputs.history))
     write_run_info(paths.run_info, tracker.store_id() or "", tracker.uri)
-    tracker.log_metrics({key: outputs.metrics[key] for key in ("best_epoch", "exported_epoch", MODEL_VAL_ACCURACY,
-                                                                "model_val_loss")})
+    tracker.log_metrics({key: outputs.metrics[key] for key in ("best_epoch", "exported_epoch")})
     if cfg.mlflow.log_model:
         example = outputs.example_images.numpy()  # as a client has them: uint8, N x H x W for grey
         tracker.log_model(Path(paths.model), example[:, 0] if example.shape[1] == 1 else example, run.model_name)
+    # after the model: its validation figures are linked to it as well (MLflow's Models tab)
+    tracker.log_model_metrics({key: outputs.metrics[key] for key in (MODEL_VAL_ACCURACY, "model_val_loss")},
+                              outputs.exported_epoch)
     tracker.print_link()
 
 
@@ -168,8 +177,8 @@ def write_progress(cfg: Config, metrics: dict[str, float], history: list[EpochSt
         atomic_write_json(cfg.paths.train_metrics, {"train": {**metrics, "running": True}})
         atomic_write_text(cfg.paths.history, history_csv(history))
     except OSError as exc:
-        print(f"warning: the running training's {cfg.paths.train_metrics} and {cfg.paths.history} were not written "
-              f"({type(exc).__name__}: {exc}); the training goes on", file=sys.stderr, flush=True)
+        logger.warning(f"warning: the running training's {cfg.paths.train_metrics} and {cfg.paths.history} were not "
+                       f"written ({type(exc).__name__}: {exc}); the training goes on")
 
 
 def history_csv(history: list[EpochStats]) -> str:

@@ -5,7 +5,8 @@
     int8     its static INT8 copy (ONNX Runtime's quantize_static, QDQ, per-channel), calibrated on training images
     check    every format scored by ONNX Runtime on the whole test split against the PyTorch model; CPU latency
     stage    the stage itself: checks before work, files staged and put in place only when every format passed,
-             metrics/export.json, the MLflow run, the registered version and the champion alias
+             metrics/export.json (DVC metrics) beside export_host.json (this host's latencies and load), the MLflow
+             run, the registered version and the champion alias
 
 Nothing is imported here.
 """

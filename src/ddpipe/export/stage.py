@@ -2,16 +2,18 @@
 
 Every check that needs no work comes first (the opset, the model file, the prepared data and its calibration split).
 The graphs are written into a staging directory beside ``paths.onnx``, scored (``ddpipe.export.check``) and timed;
-only when every format passed its threshold do they replace the previous export's files, ``paths.export_metrics``
-last. A format that fails raises :class:`ExportCheckFailed` saying which and by how much, and leaves the previous
-files as they were (dvc.yaml declares them ``persist: true``: DVC would otherwise delete them before the stage runs).
-Passed or failed, the result goes to the training's MLflow run and its registered version; the champion alias
-moves only after a pass (``ddpipe.tracking.champion.record_export``).
+only when every format passed its threshold do they replace the previous export's files, ``paths.export_host`` (what
+this host measured) then ``paths.export_metrics`` (what the run's parameters determine, :func:`split`) last. A format
+that fails raises :class:`ExportCheckFailed` saying which and by how much, and leaves the previous files as they were
+(dvc.yaml declares them ``persist: true``: DVC would otherwise delete them before the stage runs). Passed or failed,
+the result goes to the training's MLflow run and its registered version; the champion alias moves only after a pass
+(``ddpipe.tracking.champion.record_export``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -38,6 +40,14 @@ from ddpipe.tracking.champion import split_digest
 from ddpipe.tracking.outbox import read_run_info
 from ddpipe.tracking.tracker import RunLogger
 
+logger = logging.getLogger(__name__)
+
+# What a run's parameters do not determine: this host's timings and load while timing, its kernels' rounding (the
+# largest probability difference), its share of the cores, its CPU. In the DVC metrics they would make two runs of one
+# model differ in `dvc exp show --only-changed` and `dvc metrics diff`; they go to paths.export_host instead.
+HOST_FIGURES = ("max_prob_diff", "latency_ms")  # each format's
+HOST_STATE = ("threads", "latency_host", "cpu_vnni")  # the export's
+
 
 class ExportCheckFailed(RuntimeError):
     """A format's check fell below its threshold: nothing of this export was put in place."""
@@ -61,8 +71,9 @@ def check_before_work(cfg: Config) -> None:
 
 
 def export(cfg: Config) -> dict:
-    """Make, check and put in place every format of ``cfg.export``; its metrics (``paths.export_metrics``). Its CPU
-    threads: its share of the host (:func:`ddpipe.distributed.host_leases.cpu_share`), recorded (``threads``)."""
+    """Make, check and put in place every format of ``cfg.export``; its figures (``paths.export_metrics`` and
+    ``paths.export_host`` merged: :func:`split`). Its CPU threads: its share of the host
+    (:func:`ddpipe.distributed.host_leases.cpu_share`), recorded (``threads``)."""
     check_before_work(cfg)
     with cpu_share(cfg.distributed.threads_per_process) as threads:
         return _export(cfg, threads)
@@ -75,13 +86,13 @@ def _export(cfg: Config, threads: int) -> dict:
     with tempfile.TemporaryDirectory(dir=Path(cfg.paths.onnx).parent, prefix=".export-") as tmp:
         staged = {name: Path(tmp) / path.name for name, path in targets.items()}
         export_onnx(classifier.model, classifier.saved, staged["onnx"], cfg.export.opset)
-        print(f"export: {cfg.paths.onnx} written ({staged['onnx'].stat().st_size / 1e6:.1f} MB); checking", flush=True)
+        logger.info(f"export: {cfg.paths.onnx} written ({staged['onnx'].stat().st_size / 1e6:.1f} MB); checking")
         cpu, here = int8_target(cfg.export.int8_cpu), cpu_int8_kind()
         if "int8" in staged:
             quantize(staged["onnx"], staged["int8"], calibration_batches(cfg, classifier), cpu)
             if cpu != here:
-                print(f"note: the INT8 copy is made for {cpu} CPUs (export.int8_cpu) and checked here on a {here} "
-                      "CPU: its figures are this CPU's answers", flush=True)
+                logger.info(f"note: the INT8 copy is made for {cpu} CPUs (export.int8_cpu) and checked here on a "
+                            f"{here} CPU: its figures are this CPU's answers")
         metrics = measure(cfg, classifier, staged, threads)
         metrics["export"]["cpu_vnni"] = here == "x86-vnni"
         if "int8" in staged:
@@ -89,15 +100,43 @@ def _export(cfg: Config, threads: int) -> dict:
         failures = verdict(cfg, metrics)
         _log_to_run(cfg, metrics, failures, staged)
         if failures:
-            kept = ", ".join(str(p) for p in [*targets.values(), Path(cfg.paths.export_metrics)] if p.exists())
+            kept = ", ".join(str(p) for p in [*targets.values(), Path(cfg.paths.export_host),
+                                           Path(cfg.paths.export_metrics)] if p.exists())
             raise ExportCheckFailed("; ".join(failures) + ". Nothing was written" +
                                     (f"; the previous export stays in place ({kept})" if kept else ""))
         for name, path in targets.items():
             os.replace(staged[name], path)
     if cfg.paths.onnx_int8 and not cfg.export.int8:
         Path(cfg.paths.onnx_int8).unlink(missing_ok=True)  # a stale copy of an earlier model must not linger
-    atomic_write_json(cfg.paths.export_metrics, metrics)
+    compared, host = split(metrics)
+    atomic_write_json(cfg.paths.export_host, host)
+    atomic_write_json(cfg.paths.export_metrics, compared)
     return metrics
+
+
+def split(figures: dict) -> tuple[dict, dict]:
+    """:func:`export`'s figures as the DVC metrics (``paths.export_metrics``: each format's accuracy, agreement, size)
+    and this host's (``paths.export_host``: :data:`HOST_FIGURES` and :data:`HOST_STATE`), each ``{"export": ...}``;
+    :func:`merge` of the two gives them back."""
+    compared, host = {}, {}
+    for key, value in figures["export"].items():
+        if key in HOST_STATE:
+            host[key] = value
+        elif isinstance(value, dict):  # a format's figures
+            compared[key] = {k: v for k, v in value.items() if k not in HOST_FIGURES}
+            host[key] = {k: v for k, v in value.items() if k in HOST_FIGURES}
+        else:
+            compared[key] = value
+    return {"export": compared}, {"export": host}
+
+
+def merge(compared: dict, host: dict) -> dict:
+    """The two files of an export (:func:`split`) as its whole figures."""
+    whole = {**host["export"], **compared["export"]}
+    for key, value in compared["export"].items():
+        if isinstance(value, dict):
+            whole[key] = {**value, **host["export"].get(key, {})}
+    return {"export": whole}
 
 
 def calibration_batches(cfg: Config, classifier: ImageClassifier):  # noqa: ANN201
@@ -131,8 +170,8 @@ def measure(cfg: Config, classifier: ImageClassifier, graphs: dict[str, Path], t
                 scores[name].latency_ms = latency(OnnxClassifier(path, threads).probabilities, sample, sizes, runs)
         timed = {"latency_host": (host := load.figures())}
         if host.get("busy"):
-            print(f"note: the latencies were timed while other processes kept {host['others_busy_cores']} core(s) "
-                  "busy: the host's, not the model's alone (marked busy in the metrics)", flush=True)
+            logger.info(f"note: the latencies were timed while other processes kept {host['others_busy_cores']} "
+                        "core(s) busy: the host's, not the model's alone (marked busy in the metrics)")
     out = {name: scores[name].metrics(graphs.get(name)) for name in ("pytorch", *graphs)}
     out["pytorch"].update(agreement=1.0, max_prob_diff=0.0)
     return {"export": {**out, "num_samples": scores["pytorch"].count, "threads": threads, **timed}}
@@ -160,7 +199,8 @@ def _log_to_run(cfg: Config, metrics: dict, failures: list[str], graphs: dict[st
     run_info = Path(cfg.paths.run_info)
     run_id = read_run_info(run_info).get("run_id") if run_info.is_file() else ""
     if not run_id:
-        print(f"note: no MLflow run recorded in {run_info}; the export's check is in {cfg.paths.export_metrics} only")
+        logger.info(f"note: no MLflow run recorded in {run_info}; the export's check is in {cfg.paths.export_metrics} "
+                    "only")
         return
     m = metrics["export"]
     figures = {f"{name}_{key}": round(m[name][key], 6) for name in graphs for key in ("accuracy", "agreement")}

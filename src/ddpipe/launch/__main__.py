@@ -3,4 +3,4 @@
 from ddpipe.launch.torchrun import main
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

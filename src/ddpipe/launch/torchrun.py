@@ -14,17 +14,21 @@ package's), with the same checkout and prepared data on every node.
 A scheduler's stop (SIGTERM, or SIGUSR1 ahead of a time limit) is passed on to torchrun, which passes
 it to the workers: they stop at a step, rank 0 checkpoints it, and this command exits with 75
 (``ddpipe.core.exits.EXIT_PREEMPTED``): run it again to resume. Under Kubernetes this process is the
-container's PID 1, the only one the kubelet signals.
+container's PID 1, the only one the kubelet signals. A training whose checkpoints' store was away too long stops on
+its own (ddpipe.engine.store_pause), and this command exits 75 for it too.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import logging
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,11 +37,11 @@ from typing import NoReturn
 
 import torch
 
-from ddpipe.config.command import load_or_exit
+from ddpipe.config.command import CommandParser, load_or_exit, run_command
 from ddpipe.config.load import user_errors
 from ddpipe.config.schema import Config, ConfigError, DistributedConfig
 from ddpipe.core.claims import InUse
-from ddpipe.core.environment import CHECKED_ENV, CLAIM_ENV, NODES_ENV
+from ddpipe.core.environment import CHECKED_ENV, CLAIM_ENV, NODES_ENV, PAUSE_NOTE_ENV
 from ddpipe.core.exits import EXIT_PREEMPTED, STOP_SIGNALS
 from ddpipe.core.objectstore import StoreError
 from ddpipe.core.processes import alive, caller_past_shells, start_time
@@ -64,6 +68,8 @@ RDZV_PORT = 29400
 # What torchrun passes on to its workers (its default, plus SLURM's warning signal)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
+logger = logging.getLogger(__name__)
+
 
 def torchrun_command(d: DistributedConfig, nproc: int, script_args: Sequence[str] = (),
                      script: str | Path | None = None) -> list[str]:
@@ -78,9 +84,9 @@ def torchrun_command(d: DistributedConfig, nproc: int, script_args: Sequence[str
         if _torchrun_accepts(flag):
             cmd.append(flag)
         else:
-            print(f"warning: torchrun of torch {torch.__version__} has no {flag.split('=')[0]}: "
-                  + ("SIGUSR1 kills the job instead of stopping it at a checkpointed step" if "signals" in flag
-                     else "after a stop it gives the workers its own default time"), file=sys.stderr, flush=True)
+            logger.warning(f"warning: torchrun of torch {torch.__version__} has no {flag.split('=')[0]}: "
+                           + ("SIGUSR1 kills the job instead of stopping it at a checkpointed step" if "signals" in flag
+                              else "after a stop it gives the workers its own default time"))
     if d.nnodes == "1":
         cmd.append("--standalone")  # a free port: parallel experiments never collide
     else:
@@ -136,14 +142,14 @@ def note_network(run: Resolved) -> None:
     and a network of the user's whose file dvc.yaml does not list."""
     name, side = run.model_name, run.input_size[0]
     if name in RENAMED and side <= SMALL_IMAGE_SIDE:
-        print(f"note: model.name = {name!r} is torchvision's network, whose stem shrinks a {side}-px "
-              f"image 4x before its first block; the small-image variant this name meant before is "
-              f"{RENAMED[name]!r} (docs/models.md, 'Any network')", file=sys.stderr, flush=True)
+        logger.info(f"note: model.name = {name!r} is torchvision's network, whose stem shrinks a {side}-px "
+                    f"image 4x before its first block; the small-image variant this name meant before is "
+                    f"{RENAMED[name]!r} (docs/models.md, 'Any network')")
     source = module_file(name)
     if source is not None and Path("dvc.yaml").is_file() and str(source) not in Path("dvc.yaml").read_text():
-        print(f"warning: model.name = {name!r} lives in {source}, which dvc.yaml does not list: add it "
-              "to the train and evaluate stages' deps, or DVC will not re-run them when it changes (docs/models.md, "
-              "'Your own network')", file=sys.stderr, flush=True)
+        logger.warning(f"warning: model.name = {name!r} lives in {source}, which dvc.yaml does not list: add it "
+                       "to the train and evaluate stages' deps, or DVC will not re-run them when it changes "
+                       "(docs/models.md, 'Your own network')")
 
 
 def worker_config(cfg: Config, world_size: int) -> Resolved:
@@ -161,10 +167,27 @@ def worker_config(cfg: Config, world_size: int) -> Resolved:
     return run
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Check, print the torchrun command, run it (``--print``: print only); exit with its code."""
-    argv = sys.argv[1:] if argv is None else argv
-    overrides, on_every_node = cluster_nodes([a for a in argv if a != "--print"])
+def arguments(parser: CommandParser) -> None:
+    """``ddpipe launch``'s arguments (``python -m ddpipe.launch``'s, the train stage's ``python stages/train.py``'s)."""
+    parser.description = ("Check the params, this node and the data, then train under torchrun: one node, "
+                          "distributed.nproc_per_node processes (--standalone), or every node of distributed.nnodes "
+                          "with the same command and rendezvous. A stop (SIGTERM, SIGUSR1) checkpoints the step and "
+                          "exits 75: the same command resumes.")
+    parser.add_argument("--print", action="store_true",
+                        help="the checks, then the torchrun command on stdout; nothing is started")
+    parser.add_overrides()
+    parser.set_defaults(run=launch)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m ddpipe.launch") -> int:
+    """``python -m ddpipe.launch [--print] [key=value ...]``: the same as ``ddpipe launch``."""
+    return run_command(prog, arguments, argv)
+
+
+def launch(args: argparse.Namespace) -> None:
+    """Check, say the torchrun command, run it (``--print``: print it only, the result on stdout); exit with its
+    code."""
+    overrides, on_every_node = cluster_nodes(args.overrides)
     # a search's trial: its own checkpoints; a queued experiment: checkpoints that outlive DVC's copy of the repository
     cfg = anchored_checkpoints(trial_config(load_or_exit(overrides, "-m ddpipe.launch")))
     with user_errors(PreparedDataError, StoreError):  # fail here, before any worker starts on any node
@@ -177,13 +200,13 @@ def main(argv: list[str] | None = None) -> None:
         preflight(cfg, job.max_world_size, choice)
         check_checkpoint_place(cfg.paths.checkpoints)  # a store that is down, refuses the keys or lacks the bucket
         if note := check_access(cfg.mlflow):  # a server that refuses this user: before anything is written
-            print(note, file=sys.stderr, flush=True)
+            logger.info(note)
     env = {**os.environ, CHECKED_ENV: "1", **launcher_env(), **hand_over(choice)}  # they follow this process
-    if on_every_node and cfg.distributed.nnodes != "1" and "--print" not in argv:
+    if on_every_node and cfg.distributed.nnodes != "1" and not args.print:
         # a cluster job's train stage runs on its first node: one launcher per node, each checks its own node
-        print(" ".join(on_every_node), flush=True)
+        logger.info(" ".join(on_every_node))
         _exit(supervise(on_every_node, {k: v for k, v in os.environ.items() if k != NODES_ENV}))
-    if "--print" in argv:
+    if args.print:
         print(" ".join(torchrun_command(cfg.distributed, job.nproc_per_node, overrides)), flush=True)
         return
     # One host: this training's directories are its own until its last process ends (several nodes: the writing
@@ -191,7 +214,10 @@ def main(argv: list[str] | None = None) -> None:
     with user_errors(InUse):
         claim = claim_training(cfg, "launcher") if cfg.distributed.nnodes == "1" else None
     try:
-        code = run_torchrun(cfg, job, overrides, {**env, **({CLAIM_ENV: claim.token} if claim else {})})
+        with tempfile.TemporaryDirectory(prefix="ddpipe-launch-") as notes:
+            note = Path(notes) / "paused"
+            code = paused(run_torchrun(cfg, job, overrides, {**env, PAUSE_NOTE_ENV: str(note),
+                                                             **({CLAIM_ENV: claim.token} if claim else {})}), note)
         if claim is not None and code != 0:  # a killed torchrun's workers stop on their own: wait for them
             claim.wait_for_others(cfg.distributed.shutdown_timeout_s + 30.0, _say)
     finally:
@@ -204,7 +230,7 @@ def run_torchrun(cfg: Config, job: Job, overrides: list[str], env: dict[str, str
     """Run this node's torchrun and wait for it; its exit code (128 + the signal's number if a signal killed it)."""
     if not torch.cuda.is_available() or cfg.distributed.nnodes != "1":
         cmd = torchrun_command(cfg.distributed, job.nproc_per_node, overrides)
-        print(" ".join(cmd), flush=True)
+        logger.info(" ".join(cmd))
         return supervise(cmd, env)
     # GPUs on one host: leased while torchrun runs, so trainings at once split them (ddpipe.distributed.host_leases)
     nproc = job.nproc_per_node
@@ -214,12 +240,21 @@ def run_torchrun(cfg: Config, job: Job, overrides: list[str], env: dict[str, str
             with user_errors(PreparedDataError, context=f" (with {nproc} of this host's GPUs: {','.join(lease.gpus)})"):
                 preflight(cfg, nproc)
         cmd = torchrun_command(cfg.distributed, nproc, overrides)
-        print(f"CUDA_VISIBLE_DEVICES={','.join(lease.gpus)} {' '.join(cmd)}", flush=True)
+        logger.info(f"CUDA_VISIBLE_DEVICES={','.join(lease.gpus)} {' '.join(cmd)}")
         return supervise(cmd, {**env, "CUDA_VISIBLE_DEVICES": ",".join(lease.gpus)})
 
 
+def paused(code: int, note: Path) -> int:
+    """torchrun's exit ``code``, or EXIT_PREEMPTED where its workers stopped on their own for a pause they left in
+    ``note`` (their checkpoints' store away too long: ddpipe.launch.worker.paused), said again here."""
+    if code == 0 or not note.is_file():
+        return code
+    _say(note.read_text().strip())
+    return EXIT_PREEMPTED
+
+
 def _say(text: str) -> None:
-    print(f"ddpipe.launch: {text}", file=sys.stderr, flush=True)
+    logger.warning(f"ddpipe.launch: {text}")
 
 
 def _exit(code: int) -> NoReturn:
@@ -259,8 +294,8 @@ def supervise(cmd: list[str], env: dict[str, str] | None = None) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if code != 0 and any(sig in STOP_SIGNALS for sig in stopped):
-        print(f"ddpipe.launch: stopped by {signal.Signals(stopped[0]).name}; the workers checkpointed their "
-              f"step: run the same command to resume (exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
+        _say(f"stopped by {signal.Signals(stopped[0]).name}; the workers checkpointed their step: run the same "
+             f"command to resume (exit code {EXIT_PREEMPTED})")
         return EXIT_PREEMPTED
     if code < 0:  # torchrun itself was killed (SIGKILL: the OOM killer, kill -9): its workers stop on their own
         _say(f"torchrun (pid {child.pid}) was killed by {signal.Signals(-code).name}; its workers follow it: each "
@@ -293,4 +328,4 @@ def follow_dvc(stop: Callable[[], None]) -> threading.Thread | None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -11,15 +11,23 @@ runs every check first (ddpipe.launch.torchrun.worker_config).
 """
 
 import functools
+import logging
 import os
 import sys
+from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from ddpipe.config.command import load_or_exit
 from ddpipe.config.load import user_errors
+from ddpipe.core.environment import PAUSE_NOTE_ENV
+from ddpipe.core.exits import EXIT_PREEMPTED
+from ddpipe.core.files import atomic_write_text
+from ddpipe.core.logs import configure
 from ddpipe.data.store import PreparedDataError
 from ddpipe.launch.torchrun import worker_config
+
+logger = logging.getLogger(__name__)
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where torchrun's agent reads a failed rank's error (torch's own name)
 
@@ -44,15 +52,26 @@ class WholeErrorFile(ErrorHandler):
             os.replace(partial, target)
 
 
+def paused(why: str) -> NoReturn:
+    """End this worker with EXIT_PREEMPTED for ``why`` (its checkpoints' store away too long), said here and left in
+    the launcher's note (:data:`PAUSE_NOTE_ENV`): torchrun exits 1 whatever its workers' codes, the launcher 75."""
+    logger.warning(f"training stopped: {why}")
+    if note := os.environ.get(PAUSE_NOTE_ENV):
+        atomic_write_text(note, why)
+    sys.exit(EXIT_PREEMPTED)
+
+
 # under torchrun, the failing rank's traceback reaches the launcher's summary
 @functools.partial(record, error_handler=WholeErrorFile())
 def main() -> None:
+    configure()  # DDPIPE_LOG_LEVEL, as the launcher's -q or -v left it; off global rank 0, warnings and errors only
     cfg = load_or_exit(sys.argv[1:], "stages/train.py")
     with user_errors(PreparedDataError):
         run = worker_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     from ddpipe.core.claims import InUse
-    from ddpipe.core.exits import EXIT_PREEMPTED, Preempted
+    from ddpipe.core.exits import Preempted, StoreAway
     from ddpipe.core.objectstore import StoreError
+    from ddpipe.core.store_lease import LeaseLost
     from ddpipe.engine.loop import train
     from ddpipe.engine.optimizer import Diverged
 
@@ -61,13 +80,19 @@ def main() -> None:
             train(run)
     except Diverged:  # every rank stopped at that step, rank 0 said so in one line, the run is FAILED saying so
         sys.exit(1)   # no traceback: the line is the whole story
-    except StoreError as exc:  # paths.checkpoints' store failed past its retries: what it holds is whole
-        print(f"error: {exc}; the training stopped, its newest whole checkpoint kept there: run the same command once "
-              "the store answers, and it resumes from that one", file=sys.stderr, flush=True)
+    except StoreAway as exc:  # paths.checkpoints' store away too long, what it holds whole: a pause, not an end
+        paused(f"{exc}; run the same command once the store answers, and it resumes from that checkpoint (exit code "
+               f"{EXIT_PREEMPTED})")
+    except StoreError as exc:  # paths.checkpoints' store failed past its retries outside a checkpoint's write (a read)
+        logger.error(f"error: {exc}; the training stopped, its newest whole checkpoint kept there: run the same "
+                     "command once the store answers, and it resumes from that one")
+        sys.exit(1)
+    except LeaseLost as exc:  # another training took paths.checkpoints' lease over: nothing more was written there
+        logger.error(f"error: {exc}")
         sys.exit(1)
     except Preempted as exc:  # the run is KILLED in MLflow; the same command resumes it
-        print(f"training {exc}; run the same command to resume from the newest checkpoint "
-              f"(exit code {EXIT_PREEMPTED})", file=sys.stderr, flush=True)
+        logger.warning(f"training {exc}; run the same command to resume from the newest checkpoint "
+                       f"(exit code {EXIT_PREEMPTED})")
         # all is saved and closed: leave now, without the seconds the C++ teardown of a process group takes when
         # its store went with a killed torchrun agent (a scheduler's grace period, or a kill's, is short)
         sys.stdout.flush()

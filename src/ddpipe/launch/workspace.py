@@ -12,10 +12,11 @@ Used by a cluster job (:mod:`ddpipe.launch.cluster.job`) and by the search's tri
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,23 @@ def drop_downstream(ws: Path, stage: str) -> list[str]:
         lock["stages"] = {k: v for k, v in lock["stages"].items() if k not in downstream}
         lock_file.write_text(yaml.safe_dump(lock, sort_keys=False))
     return downstream
+
+
+def hold_out(ws: Path, paths: Sequence[str], note_file: str = "", name: str = "") -> None:
+    """Take out of the experiment made in ``ws`` the files git tracks of the stages it never runs (``paths``, the
+    evaluate and export stages' figures: the baseline's, which its row would show as its own), and write ``note_file``
+    (one of them, the test metrics) with the one figure its row in ``dvc exp show`` then lists, ``apply``: how to
+    apply experiment ``name``. ``dvc exp apply`` of it puts its params and the trained model in place, then exits 255
+    on the export's cached outputs, which its dvc.lock has no entry for (:func:`drop_downstream`): DVC counts such an
+    output as missing and fails the checkout (treeverse/dvc#5913), and ``dvc exp apply`` has no ``--allow-missing``
+    (``dvc checkout`` has since treeverse/dvc#9919). ``dvc repro`` after it makes them."""
+    if paths:
+        quiet_shell(["git", "rm", "-r", "-q", "--ignore-unmatch", "--", *paths], cwd=ws)
+    if note_file:
+        how = f"dvc exp apply {name} (exits 255: evaluate and export never ran); dvc repro"
+        (ws / note_file).parent.mkdir(parents=True, exist_ok=True)
+        (ws / note_file).write_text(json.dumps({"test": {"apply": how}}, indent=2) + "\n")
+        quiet_shell(["git", "add", "--", note_file], cwd=ws)
 
 
 def unrun_outputs(repo: Path) -> set[str]:

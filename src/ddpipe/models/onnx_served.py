@@ -24,12 +24,11 @@ import pandas as pd
 from mlflow.pyfunc import PythonModelContext
 
 from ddpipe.core.devices import cpu_int8_kind
+from ddpipe.models.carried import Carried, carry, importable, model_code
 from ddpipe.models.saved import INPUT_NAME, INT8_CPU_KEY, INT8_WEIGHTS, OUTPUT_NAME
 from ddpipe.models.served import (
-    CARRIED_IMPORT,
     SERVED_REQUIREMENTS,
     ImageInput,
-    carried_package,
     model_of_run,
     pinned,
     prediction_frame,
@@ -92,14 +91,6 @@ class MlflowOnnxClassifier(mlflow.pyfunc.PythonModel):
 
 
 MODEL_CODE_FILE = "ddpipe_onnx_classifier.py"
-MODEL_CODE = '''"""ddpipe's ONNX classifier as MLflow loads it (models-from-code); the graph is its artifact."""
-''' + CARRIED_IMPORT + '''
-import mlflow.models
-
-from ddpipe.models.onnx_served import MlflowOnnxClassifier
-
-mlflow.models.set_model(MlflowOnnxClassifier())
-'''
 
 
 def log_onnx_pyfunc(mlflow: Any, run_id: str, name: str, graph: Path, input_example: Any = None) -> Any:
@@ -110,13 +101,21 @@ def log_onnx_pyfunc(mlflow: Any, run_id: str, name: str, graph: Path, input_exam
         input_example = np.zeros((1, classifier.num_channels, *classifier.image_size), dtype=np.uint8)
     with tempfile.TemporaryDirectory() as tmp, model_of_run(mlflow, run_id, name) as model_id, \
             requirements_of_its_own():
+        carried = carry(Path(tmp))  # the ddpipe it runs, under a name of its own: ddpipe.models.carried
         code = Path(tmp) / MODEL_CODE_FILE
-        code.write_text(MODEL_CODE)
-        return mlflow.pyfunc.log_model(
-            name=name, model_id=model_id, python_model=str(code), artifacts={"graph": str(graph)},
-            signature=mlflow.models.ModelSignature(outputs=prediction_schema()), input_example=input_example,
-            code_paths=[str(carried_package(Path(tmp)))],  # ddpipe's source: it loads where ddpipe is not installed
-            pip_requirements=pinned("onnxruntime", *SERVED_REQUIREMENTS),
-            metadata={"classes": classifier.classes, "image_size": list(classifier.image_size),
-                      "num_channels": classifier.num_channels, "exported_epoch": classifier.exported_epoch,
-                      "graph": os.path.basename(graph), "runtime": "onnxruntime"})
+        code.write_text(model_code(carried, "models.onnx_served", "MlflowOnnxClassifier", "ddpipe's ONNX classifier"))
+        with importable(carried):
+            return _log_model(mlflow, name, model_id, code, graph, classifier, input_example, carried)
+
+
+def _log_model(mlflow: Any, name: str, model_id: str, code: Path, graph: Path, classifier: OnnxClassifier,
+               input_example: Any, carried: Carried) -> Any:
+    """``mlflow.pyfunc.log_model`` of the ONNX model defined by the file ``code`` into the logged model ``model_id``,
+    carrying ``carried``; its ModelInfo."""
+    return mlflow.pyfunc.log_model(
+        name=name, model_id=model_id, python_model=str(code), artifacts={"graph": str(graph)},
+        signature=mlflow.models.ModelSignature(outputs=prediction_schema()), input_example=input_example,
+        code_paths=[str(carried.path)], pip_requirements=pinned("onnxruntime", *SERVED_REQUIREMENTS),
+        metadata={"classes": classifier.classes, "image_size": list(classifier.image_size),
+                  "num_channels": classifier.num_channels, "exported_epoch": classifier.exported_epoch,
+                  "graph": os.path.basename(graph), "runtime": "onnxruntime", **carried.metadata()})

@@ -21,8 +21,8 @@ sent and what is accepted.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator
 from importlib.metadata import PackageNotFoundError, version
@@ -38,9 +38,12 @@ import torch.nn.functional as F
 from mlflow.pyfunc import PythonModelContext
 
 from ddpipe.data.transforms import BatchTransform, EvalCrop
+from ddpipe.models.carried import Carried, carry, importable, model_code
 from ddpipe.models.catalog import code_paths, kind
 from ddpipe.models.nets import predict_logits
 from ddpipe.models.saved import SavedModel, load_model
+
+logger = logging.getLogger(__name__)
 
 
 class ImageInput:
@@ -188,54 +191,17 @@ def prediction_frame(classifier: ImageClassifier, images: Any) -> pd.DataFrame:
 
 
 # The logged model is code, not a pickle (MLflow's models-from-code): MLflow copies this file into the model and
-# runs it when the model loads, with the model's code_paths (ddpipe, a user's own network) on sys.path; nothing is
-# unpickled. Written out when logging rather than kept as a module: nothing imports it, and as part of this module
-# an edit to it re-runs the train stage, which logs the model.
-# Where a logged model keeps the ddpipe it carries (carried_package): code/<CARRIED_DIR>/ddpipe. Not code/ddpipe, which
-# MLflow's code/ on sys.path (prepended, for the rest of the process) would make shadow an installed ddpipe: the
-# model's code takes the carried copy only where ddpipe cannot be imported (CARRIED_IMPORT).
-CARRIED_DIR = "ddpipe_source"
-CARRIED_IMPORT = f'''import importlib.util
-import os
-import sys
-
-if importlib.util.find_spec("ddpipe") is None:  # not installed here: the copy of ddpipe this model carries
-    sys.path += [os.path.join(p, "{CARRIED_DIR}") for p in list(sys.path)
-                 if os.path.isdir(os.path.join(p, "{CARRIED_DIR}", "ddpipe"))][:1]
-'''
+# runs it when the model loads, with the model's code_paths (the ddpipe it carries, a user's own network) on sys.path;
+# nothing is unpickled. Written when logging (ddpipe.models.carried.model_code): it imports the model's class from the
+# copy of ddpipe the model carries, under that copy's own name, so the model runs the code it was logged with whatever
+# ddpipe is installed, and shadows none.
 MODEL_CODE_FILE = "ddpipe_classifier.py"
-MODEL_CODE = '''"""ddpipe's image classifier as MLflow loads it (models-from-code); the weights are its artifact."""
-''' + CARRIED_IMPORT + '''
-import mlflow.models
-
-from ddpipe.models.served import MlflowImageClassifier
-
-mlflow.models.set_model(MlflowImageClassifier())
-'''
 
 
-# What the served model's code imports besides ddpipe (which it carries: carried_package): pinned to the versions that
-# logged it, so MLflow's own environment managers (`mlflow models serve`'s default, `--env-manager uv`) build the same
+# What the served model's code imports besides ddpipe (which it carries: ddpipe.models.carried): pinned to the
+# versions that logged it, so MLflow's own environment managers (`mlflow models serve`'s default, `--env-manager uv`)
+# build the same
 SERVED_REQUIREMENTS = ("torch", "torchvision", "numpy", "pandas")
-
-
-def carried_package(directory: Path) -> Path:
-    """The part of this package a served model runs, its source (no byte code) copied into
-    ``directory``/:data:`CARRIED_DIR`/ddpipe; that folder for a logged model's ``code_paths``: the model's code
-    (:data:`CARRIED_IMPORT`) imports it where ddpipe is not installed, as the version that logged it.
-    The part: ``models`` and the layers beneath it (``ddpipe.LAYERS``: a package imports only those), 260 KB of the
-    package's 715."""
-    from ddpipe import LAYERS
-
-    package, home = Path(__file__).resolve().parents[1], Path(__file__).resolve().parent.name
-    level = next(i for i, layer in enumerate(LAYERS) if home in layer)
-    carried = Path(directory) / CARRIED_DIR / package.name
-    carried.mkdir(parents=True)
-    shutil.copy2(package / "__init__.py", carried)
-    skipped = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in sorted({name for layer in LAYERS[:level] for name in layer} | {home}):
-        shutil.copytree(package / name, carried / name, ignore=skipped)
-    return carried.parent
 
 
 def pinned(*names: str) -> list[str]:
@@ -271,8 +237,9 @@ def model_of_run(mlflow: Any, run_id: str, name: str) -> Iterator[str]:
     ``log_model(model_id=...)`` to fill and mark READY; then recorded as the run's output. No run is made active for
     it: handed one, MLflow's model logging reads the whole history of every metric of the run, a request per metric,
     to link the values at its step to the model, which for a run with step and system metrics took most of a
-    minute against a shared server (the server sweep's export stage: 80 of its 100 s). The model's metrics stay on
-    its run, one link away."""
+    minute against a shared server (the server sweep's export stage: 80 of its 100 s). The figures that describe the
+    model (its validation and test figures, not each epoch's) are linked to it by their own records instead, one
+    request each (``ddpipe.tracking.delivery``, :func:`logged_model`)."""
     from mlflow.entities import LoggedModelOutput
 
     client = mlflow.MlflowClient()
@@ -286,20 +253,22 @@ def model_of_run(mlflow: Any, run_id: str, name: str) -> Iterator[str]:
 def log_pyfunc(mlflow: Any, run_id: str, model_path: Path, input_example: Any, model_name: str,
               registered_model_name: str | None, git_commit: str) -> None:
     """``model_path`` (``paths.model``, a network ``model_name``) into run ``run_id`` as the pyfunc model ``model``,
-    a :class:`MlflowImageClassifier` that a client calls with plain images, logged as code (:data:`MODEL_CODE`: no
-    pickle); registered as a new version of ``registered_model_name`` when set, tagged with ``git_commit``.
-    Nothing is logged when the run already holds this model (see :func:`_has_model`)."""
+    a :class:`MlflowImageClassifier` that a client calls with plain images, logged as code (no pickle) that runs the
+    copy of ddpipe it carries (``ddpipe.models.carried``); registered as a new version of ``registered_model_name``
+    when set, tagged with ``git_commit``. Nothing is logged when the run already holds this model (see
+    :func:`_has_model`)."""
     classifier = ImageClassifier.load(model_path)
     if _has_model(mlflow, run_id, classifier.exported_epoch):
-        print(f"MLflow run {run_id} already holds this model; not logging it again", flush=True)
+        logger.info(f"MLflow run {run_id} already holds this model; not logging it again")
         return
     with tempfile.TemporaryDirectory() as tmp, model_of_run(mlflow, run_id, "model") as model_id, \
             requirements_of_its_own():
+        carried = carry(Path(tmp))
         code = Path(tmp) / MODEL_CODE_FILE
-        code.write_text(MODEL_CODE)
-        carried = [str(carried_package(Path(tmp))), *code_paths(model_name)]
-        info = _log_pyfunc(mlflow, code, model_path, input_example, model_name, registered_model_name, classifier,
-                           model_id, carried)
+        code.write_text(model_code(carried, "models.served", "MlflowImageClassifier", "ddpipe's image classifier"))
+        with importable(carried):
+            info = _log_pyfunc(mlflow, code, model_path, input_example, model_name, registered_model_name,
+                               classifier, model_id, carried)
     client = mlflow.MlflowClient()
     client.set_tag(run_id, "ddpipe.logged_model_epoch", str(classifier.exported_epoch))
     if registered_model_name and info.registered_model_version:
@@ -310,20 +279,20 @@ def log_pyfunc(mlflow: Any, run_id: str, model_path: Path, input_example: Any, m
 
 def _log_pyfunc(mlflow: Any, code: Path, model_path: Path, input_example: Any, model_name: str,
                 registered_model_name: str | None, classifier: ImageClassifier, model_id: str,
-                carried: list[str]) -> Any:
-    """``mlflow.pyfunc.log_model`` of the model defined by the file ``code`` (:data:`MODEL_CODE`) into the logged
-    model ``model_id`` (:func:`model_of_run`), carrying ``carried`` (ddpipe's source, a user's network module); its
+                carried: Carried) -> Any:
+    """``mlflow.pyfunc.log_model`` of the model defined by the file ``code`` (its ``model_code``) into the logged
+    model ``model_id`` (:func:`model_of_run`), carrying ``carried`` (ddpipe's source) and a user's network module; its
     ModelInfo."""
     return mlflow.pyfunc.log_model(
         name="model", model_id=model_id, python_model=str(code), artifacts={"weights": str(model_path)},
         # no input schema: N x H x W and N x C x H x W, integers or [0, 1] floats are all accepted
         signature=mlflow.models.ModelSignature(outputs=prediction_schema()), input_example=input_example,
-        code_paths=carried,
+        code_paths=[str(carried.path), *code_paths(model_name)],
         pip_requirements=pinned(*SERVED_REQUIREMENTS, *(["timm"] if kind(model_name) == "timm" else [])),
         metadata={"classes": classifier.classes, "image_size": list(classifier.image_size),
                   "num_channels": classifier.num_channels, "exported_epoch": classifier.exported_epoch,
                   "input": "uint8 pixels (N x H x W or N x C x H x W) or floats in [0, 1]",
-                  "output": "label, class_index, probability, probabilities (class order)"},
+                  "output": "label, class_index, probability, probabilities (class order)", **carried.metadata()},
         registered_model_name=registered_model_name,
     )
 
@@ -332,10 +301,19 @@ def _has_model(mlflow: Any, run_id: str, exported_epoch: Any) -> bool:
     """Whether run ``run_id`` already holds a completely logged ``model`` of the same exported epoch (a re-run of
     a finished training, e.g. ``dvc repro`` after a code-only change, rewrites its outputs from the last
     checkpoint and must not log a second copy; one with train.model_epoch changed must)."""
-    run = mlflow.get_run(run_id)
+    return logged_model(mlflow.MlflowClient(), run_id, exported_epoch) is not None
+
+
+def logged_model(client: Any, run_id: str, exported_epoch: Any) -> Any | None:
+    """The completely logged (READY) ``model`` of run ``run_id`` whose weights are those of ``exported_epoch``, as
+    MLflow's ``LoggedModel``; None when the run holds none. The run's tag ``ddpipe.logged_model_epoch`` names the
+    exported epoch of its newest logged model (:func:`log_pyfunc` sets it once the model is logged), so the newest
+    READY one is that epoch's."""
+    run = client.get_run(run_id)
     if run.data.tags.get("ddpipe.logged_model_epoch") != str(exported_epoch):
-        return False
-    found = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list",
-                                        filter_string=f"source_run_id = '{run_id}' AND name = 'model'")
-    return any(str(m.status).upper().endswith("READY") for m in found)
+        return None
+    found = [m for m in client.search_logged_models([run.info.experiment_id],
+                                                    filter_string=f"source_run_id = '{run_id}' AND name = 'model'")
+             if str(m.status).upper().endswith("READY")]
+    return max(found, key=lambda m: m.creation_timestamp, default=None)
 

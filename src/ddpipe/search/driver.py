@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import shutil
 import signal
@@ -41,6 +42,7 @@ from ddpipe.config.schema import ClusterConfig
 from ddpipe.core.environment import REPO_ROOT_ENV, TRIAL_ENV
 from ddpipe.core.errors import one_line
 from ddpipe.core.exits import pruned_where
+from ddpipe.core.logs import say_to
 from ddpipe.core.processes import working_in
 from ddpipe.engine.pruning import EXPORTED, trial_value
 from ddpipe.launch import workspace
@@ -53,6 +55,8 @@ from ddpipe.search.study import FIRST, SearchError, driver_mark, first_of, held_
 POLL_S = 1.0
 TRIAL_STAGE = "train"  # the one stage a trial runs (dvc.yaml's name of it)
 MAX_FAILED_IN_A_ROW = 3  # a search whose trainings keep failing stops instead of failing every trial
+
+logger = logging.getLogger(__name__)
 
 
 class Stopped(BaseException):
@@ -110,10 +114,12 @@ def finished(study: Any) -> int:
     return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
 
 
-def run(plan: Plan, root: Path, say: Any = print, cluster: ClusterConfig | None = None) -> Any:
+def run(plan: Plan, root: Path, say: Any = None, cluster: ClusterConfig | None = None) -> Any:
     """Run the search of ``plan`` in the repository at ``root`` until the study holds ``search.trials`` finished
     trials; returns the study. SIGTERM or SIGUSR1 stops it (:class:`Stopped`) as Ctrl-C does, trials resumable.
-    ``cluster``: each trial a job on that scheduler (:mod:`ddpipe.search.trial_jobs`), not a process here."""
+    ``cluster``: each trial a job on that scheduler (:mod:`ddpipe.search.trial_jobs`), not a process here. ``say``:
+    where its lines go (default: this module's logger)."""
+    say = say or say_to(logger)
     if cluster is not None:
         on_cluster.check(cluster, plan.storage)
     study = open_study(plan)
@@ -224,9 +230,8 @@ def prepare_workspace(plan: Plan, trial: Any, root: Path, say: Any) -> Path:
     try:
         workspace.make(ws, str(root), commits[0], commits[1], cache=_cache_dir(root))
         workspace.quiet_shell(["dvc", "checkout", "--quiet"], cwd=ws, check=False)  # what the cache has
-        workspace.drop_downstream(ws, TRIAL_STAGE)  # the baseline's evaluate and export: neither in its dvc.lock nor
-        if plan.held_out:  # their figures in its experiment (the trial never ran them; after an apply, repro does)
-            workspace.quiet_shell(["git", "rm", "-r", "-q", "--ignore-unmatch", "--", *plan.held_out], cwd=ws)
+        workspace.drop_downstream(ws, TRIAL_STAGE)  # the baseline's evaluate and export out (hold_out: how to apply it)
+        workspace.hold_out(ws, plan.held_out, plan.apply_note, experiment_name(plan.settings.study, trial.number))
     except (RuntimeError, OSError) as exc:
         raise SearchError(f"trial {trial.number}: its workspace {ws} could not be made: {exc}") from exc
     return ws
@@ -264,7 +269,8 @@ def start(plan: Plan, study: Any, root: Path, say: Any, resumed: Any = None,
             "trial_id": trial._trial_id,  # Optuna's id of the trial (Trial(study, trial_id) opens it in the training)
             "metric": plan.settings.metric, "pruner": plan.settings.pruner,
             "startup_trials": plan.settings.startup_trials, "attempt": attempt,
-            "stage": TRIAL_STAGE, "held_out": list(plan.held_out)}  # what a cluster's job runs (launch.cluster.job)
+            "stage": TRIAL_STAGE, "held_out": list(plan.held_out),  # what a cluster's job runs (launch.cluster.job)
+            "apply_note": plan.apply_note}
     if cluster is None or cluster.storage == "shared":  # nodes that share nothing resume in the job's workspace
         spec["checkpoints"] = str(trial_folder(plan, trial.number) / "checkpoints")
     if cluster is not None:

@@ -12,6 +12,7 @@ trial; it records which trials' experiments were removed (its user attr :data:`R
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from ddpipe.core.metric_names import TEST_ACCURACY
 from ddpipe.launch.workspace import unrun_outputs
 from ddpipe.search.driver import experiment_name
 from ddpipe.search.study import SearchError
+
+logger = logging.getLogger(__name__)
 
 KEEP = 10  # the best completed trials whose experiments stay, unless --keep says otherwise
 BATCH = 200  # refs per `dvc exp remove`: 200 refs of ~70 characters are far below any command line's limit
@@ -48,22 +51,9 @@ class Selection:
     left: dict[int, str]  # trial number -> why its experiment is left alone
 
 
-def options(argv: list[str]) -> tuple[Removal, list[str]]:
-    """``--keep N`` (or ``--keep=N``) and ``--dry-run`` taken out of ``argv``: (what they ask, the other arguments).
-    A bad N is a ConfigError naming the option, its value and what is accepted."""
-    keep, dry_run, rest = KEEP, False, []
-    args = iter(argv)
-    for arg in args:
-        if arg == "--dry-run":
-            dry_run = True
-        elif arg == "--keep" or arg.startswith("--keep="):
-            keep = _count(arg.partition("=")[2] if "=" in arg else next(args, None))
-        else:
-            rest.append(arg)
-    return Removal(keep, dry_run), rest
-
-
-def _count(text: str | None) -> int:
+def keep_count(text: str | None) -> int:
+    """``--keep``'s N (None: the option without a value); a bad one is a ConfigError naming the option, its value and
+    what is accepted."""
     if text is None:
         raise ConfigError(f"--keep without a value is not accepted; expected {KEEP_ACCEPTED}")
     if not text.isascii() or not text.isdigit():
@@ -151,28 +141,28 @@ def apply_best(best: dict[str, Any], root: Path, study: Any, test_metrics: str) 
                           "nothing to apply; run its params again with dvc exp run -S ...")
     tested = list(study.user_attrs.get(TESTED, []))
     if before := [t for t in tested if t["trial"] == best["number"]]:
-        print(f"note: trial {best['number']} was tested before (test accuracy {before[0][TEST_ACCURACY]:.4f}); "
-              "applied again, its test is not recorded twice", flush=True)
+        logger.info(f"note: trial {best['number']} was tested before (test accuracy {before[0][TEST_ACCURACY]:.4f}); "
+                    "applied again, its test is not recorded twice")
     elif tested:
-        print(f"note: this study's test split was looked at before, for trial(s) "
-              f"{', '.join(str(t['trial']) for t in tested)}: each look is one more chance to fit it; the study "
-              "records this one beside", flush=True)
+        logger.info(f"note: this study's test split was looked at before, for trial(s) "
+                    f"{', '.join(str(t['trial']) for t in tested)}: each look is one more chance to fit it; the study "
+                    "records this one beside")
     for cmd in (["dvc", "exp", "apply", best["experiment"]], ["dvc", "repro"]):
-        print(f"$ {' '.join(cmd)}", flush=True)
+        logger.info(f"$ {' '.join(cmd)}")
         applying = cmd[1] == "exp"
         done = subprocess.run(cmd, cwd=root, stdin=subprocess.DEVNULL, capture_output=applying, text=True)
         if applying:  # what it said, passed on
             sys.stdout.write(done.stdout)
             sys.stderr.write(done.stderr)
         if done.returncode and not (applying and _applied_but_unrun(done, root)):
-            print(f"{' '.join(cmd)} exited {done.returncode}", flush=True)
+            logger.error(f"{' '.join(cmd)} exited {done.returncode}")
             return done.returncode
     if not before:
         accuracy = float(json.loads((root / test_metrics).read_text())["test"]["accuracy"])
         study.set_user_attr(TESTED, [*tested, {"trial": best["number"], "experiment": best["experiment"],
                                                TEST_ACCURACY: accuracy}])
-        print(f"search {study.study_name}: trial {best['number']} tested: test accuracy {accuracy:.4f} (recorded "
-              "in the study, once)", flush=True)
+        logger.info(f"search {study.study_name}: trial {best['number']} tested: test accuracy {accuracy:.4f} "
+                    "(recorded in the study, once)")
     return 0
 
 
@@ -190,8 +180,8 @@ def _applied_but_unrun(done: subprocess.CompletedProcess, root: Path) -> bool:
         targets.add(line.strip())
     if not targets or not targets <= unrun_outputs(root):
         return False
-    print(f"note: {', '.join(sorted(targets))}: outputs of stages the trial never ran, which no cache here holds; "
-          "dvc repro makes them", flush=True)
+    logger.info(f"note: {', '.join(sorted(targets))}: outputs of stages the trial never ran, which no cache here "
+                "holds; dvc repro makes them")
     return True
 
 

@@ -85,6 +85,8 @@ class Plan:
     held_out: tuple[str, ...] = ()
     # The params every trial shares (those that shape a training, but the space's): a continued study must keep them
     fixed: dict[str, Any] = field(default_factory=dict)
+    # One of held_out, the test metrics: a trial's experiment says there how to apply it (launch.workspace.hold_out)
+    apply_note: str = ""
 
 
 def make_plan(cfg: Config, root: Path, params_file: str | Path | None) -> Plan:
@@ -104,10 +106,11 @@ def make_plan(cfg: Config, root: Path, params_file: str | Path | None) -> Plan:
     notes: list[str] = []
     first = _first_trials(cfg, space, params_file, notes)
     held_out = (cfg.paths.test_metrics, cfg.paths.per_class, cfg.paths.confusion, cfg.paths.reports,
-                cfg.paths.export_metrics)
+                cfg.paths.export_host, cfg.paths.export_metrics)
     fixed = json.loads(json.dumps({**{k: v for k, v in trajectory(cfg).items() if k not in space},
                                    PRUNER_STEPS: cfg.train.val_every_n_steps}, default=str))
-    return Plan(s, cfg.seed, storage_place(s, root), root / "search" / s.study, space, first, notes, held_out, fixed)
+    return Plan(s, cfg.seed, storage_place(s, root), root / "search" / s.study, space, first, notes, held_out, fixed,
+                cfg.paths.test_metrics)
 
 
 def parse(key: str, text: Any, params_file: str | Path | None) -> Distribution:

@@ -15,49 +15,76 @@ before any trial starts, the study unchanged (exit 2).
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
+import logging
+from collections.abc import Sequence
 from pathlib import Path
 
-from ddpipe.config.command import load_or_exit
+from ddpipe.config.command import CommandParser, load_or_exit, run_command
 from ddpipe.config.load import DEFAULT_PARAMS_FILE, user_errors
 from ddpipe.config.schema import Config, ConfigError
-from ddpipe.search.experiments import apply_best, options, remove
+from ddpipe.search.experiments import KEEP, KEEP_ACCEPTED, Removal, apply_best, keep_count, remove
 from ddpipe.search.space import Plan, make_plan
 from ddpipe.search.study import SearchError, load_study
 from ddpipe.tracking.run_store import repo_root
 
-USAGE = ("usage: ddpipe search run [--cluster]|status|best|remove [--json] [--apply] [--keep N] "
-         "[--dry-run] [key=value ...]")
+SEARCH_OVERRIDES = "search.key=value: this command's search section (other keys are refused: set them in params.yaml)"
+
+logger = logging.getLogger(__name__)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    removal = None
-    if "remove" in argv:
-        with user_errors():  # a bad --keep: exit 2 before the study is opened
-            removal, argv = options(argv)
-    words = [a for a in argv if "=" not in a and not a.startswith("-")]
-    if "-h" in argv or "--help" in argv:
-        print(f"{USAGE}\n\n{__doc__}")
-        return 0
-    if len(words) != 1 or words[0] not in ("run", "status", "best", "remove"):
-        print(USAGE, file=sys.stderr)
-        return 2
-    overrides = [a for a in argv if "=" in a]
+class _Keep(argparse.Action):
+    """``--keep N``: N checked as it always was, the message naming the option, its value and what is accepted."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        try:
+            setattr(namespace, self.dest, keep_count(values if isinstance(values, str) else None))
+        except ConfigError as exc:
+            raise argparse.ArgumentError(None, str(exc)) from None
+
+
+def arguments(parser: CommandParser) -> None:
+    """``ddpipe search``'s arguments: run, status, best and remove, each with its options and search.* overrides."""
+    parser.description = "A hyperparameter study: Optuna asks for each trial, each trial a DVC experiment."
+    parser.epilog = __doc__
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    run = actions.add_parser("run", help="trials until the study holds search.trials finished ones")
+    run.add_argument("--cluster", action="store_true",
+                     help="each trial a SLURM job (the cluster section), jobs at once")
+    status = actions.add_parser("status", help="every trial: state, params, value, epochs, experiment, run")
+    best = actions.add_parser("best", help="the best trial and its DVC experiment (dvc exp apply NAME)")
+    best.add_argument("--json", action="store_true", help="the best trial as JSON")
+    best.add_argument("--apply", action="store_true", help="dvc exp apply of it, then dvc repro: tested once")
+    removal = actions.add_parser("remove", help=f"the trials' DVC experiments but the best {KEEP} completed ones")
+    removal.add_argument("--keep", action=_Keep, nargs="?", default=KEEP, metavar="N", help=f"N: {KEEP_ACCEPTED}")
+    removal.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    for leaf in (run, status, best, removal):
+        leaf.add_overrides(SEARCH_OVERRIDES)
+        leaf.set_defaults(run=search)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m ddpipe.search``: the same as ``ddpipe search``."""
+    return run_command("python -m ddpipe.search", arguments, argv)
+
+
+def search(args: argparse.Namespace) -> int:
+    """Run the study's ``args.action``; its exit code (2: a mistake on the command line or in the search section)."""
     with user_errors():
-        check_overrides(overrides)
+        check_overrides(args.overrides)
     root = repo_root()
     params = root / DEFAULT_PARAMS_FILE
-    cfg = load_or_exit(overrides, "-m ddpipe.search")
+    cfg = load_or_exit(args.overrides, "-m ddpipe.search")
     with user_errors(SearchError, code=1):
         plan = make_plan(cfg, root, params if params.is_file() else None)
-        if words[0] == "run":
-            return _run(cfg, plan, root, "--cluster" in argv)
+        if args.action == "run":
+            return _run(cfg, plan, root, args.cluster)
         study = load_study(plan)
-        if removal is not None:
-            print(remove(study, root, removal), end="")
-        elif words[0] == "status":
+        if args.action == "remove":
+            print(remove(study, root, Removal(args.keep, args.dry_run)), end="")
+        elif args.action == "status":
             from ddpipe.search.report import status
 
             print(status(study), end="")
@@ -67,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
             top = best(study)
             where = f"DVC experiment {top['experiment']} (dvc exp apply {top['experiment']})" if top["experiment"] \
                 else "no DVC experiment (ddpipe search remove removed it)"
-            print(json.dumps(top) if "--json" in argv else
+            print(json.dumps(top) if args.json else
                   f"best: trial {top['number']}, {plan.settings.metric} {top['value']:.4f}, {top['params']}; {where}",
                   flush=True)
-            if "--apply" in argv:
+            if args.apply:
                 return apply_best(top, root, study, cfg.paths.test_metrics)
     return 0
 
@@ -87,16 +114,16 @@ def _run(cfg: Config, plan: Plan, root: Path, on_cluster: bool) -> int:
     from ddpipe.search import driver, report
 
     for note in plan.notes:
-        print(f"note: {note}", file=sys.stderr)
+        logger.info(f"note: {note}")
     with user_errors(ClusterError):  # no scheduler here, a refused submission: said in a line
         study = driver.run(plan, root, cluster=cfg.cluster if on_cluster else None)
     written, skipped = report.plots(study, plan.folder)
     for reason in skipped:
-        print(f"note: plot {reason}", file=sys.stderr)
+        logger.info(f"note: plot {reason}")
     try:
         parent = report.log_to_parent(cfg, study, written)
-        print(f"plots in {plan.folder}, logged to the MLflow parent run {parent}")
+        logger.info(f"plots in {plan.folder}, logged to the MLflow parent run {parent}")
     except Exception as exc:  # the search is done and the plots on disk; the next run logs them again
-        print(f"warning: could not log the plots to MLflow ({type(exc).__name__}: {exc})", file=sys.stderr)
+        logger.warning(f"warning: could not log the plots to MLflow ({type(exc).__name__}: {exc})")
     print(report.status(study), end="")
     return 0

@@ -1,6 +1,7 @@
 """How each kind of outbox record reaches MLflow (``ddpipe.tracking.outbox`` keeps them and says when): one sender per
-record, each idempotent, consecutive metric records sent as one batch. MLflow is imported here, on the first
-delivery, never by a training's import of the tracker.
+record, each idempotent, consecutive metric records sent as one batch; a metrics record that describes the run's
+logged model (``model_epoch``) is linked to that model as well (:func:`link_to_model`). MLflow is imported here, on
+the first delivery, never by a training's import of the tracker.
 
 A resumed training's metrics are idempotent too: its ``reopen`` reads the highest step of each metric key the run holds
 in the store (whichever host resumes: the store knows, not an outbox) and keeps it beside the journal
@@ -11,7 +12,7 @@ twice (the steps re-run from the checkpoint, the checkpoint's last validation lo
 from __future__ import annotations
 
 import json
-import sys
+import logging
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from typing import Any
 from ddpipe.core.errors import one_line
 from ddpipe.core.files import atomic_write_json
 from ddpipe.tracking.run_store import open_client
+
+logger = logging.getLogger(__name__)
 
 # MLflow's REST limits per log_batch request
 MAX_METRICS, MAX_PARAMS = 1000, 100
@@ -81,6 +84,9 @@ def send(journal: Any) -> Delivery:
                 raise NoRunYet(f"run {journal.key} has not been created in the store yet")
             if op == "metrics":
                 _metrics(client, run_id, unheld([m for _, r in records[i:j] for m in r["metrics"]], held))
+                for _, rec in records[i:j]:
+                    if rec.get("model_epoch") is not None:
+                        link_to_model(client, run_id, rec)
             else:
                 SENDERS[op](client, journal, run_id, records[i][1])
                 held = held_steps(journal) if op in ("reopen", "end") else held
@@ -88,8 +94,8 @@ def send(journal: Any) -> Delivery:
             if isinstance(exc, NoRunYet) or is_transient(exc):
                 return Delivery(sent, len(records) - i, exc)
             journal.reject(records[i][1], exc)
-            print(f"MLflow refused a {op!r} record of run {journal.key} for good ({one_line(exc, 300)}); kept in "
-                  f"{journal.dir}", file=sys.stderr, flush=True)
+            logger.warning(f"MLflow refused a {op!r} record of run {journal.key} for good ({one_line(exc, 300)}); kept "
+                           f"in {journal.dir}")
             j = i + 1
         journal.mark_sent(records[j - 1][0])
         sent, i = sent + (j - i), j
@@ -114,6 +120,27 @@ def _metrics(client: Any, run_id: str, rows: list[list]) -> None:
     metrics = [Metric(k, float(v), int(ts), int(step)) for k, v, ts, step in rows]
     for a in range(0, len(metrics), MAX_METRICS):
         client.log_batch(run_id, metrics=metrics[a:a + MAX_METRICS])
+
+
+def link_to_model(client: Any, run_id: str, rec: dict) -> None:
+    """The figures of a metrics record that carries ``model_epoch`` (``MlflowTracker.log_model_metrics``) linked to
+    the run's logged model of that exported epoch (``ddpipe.models.served.logged_model``): logged with its model id,
+    so MLflow's Models tab and ``mlflow.get_logged_model(id).metrics`` show them. Each once: a figure the model holds
+    already (the same key, step and value: a record sent again, a re-run of the same training or evaluation) is not
+    sent again, and the run's own copy carries the record's timestamp, which the store keeps once. Nothing when the
+    run holds no such model (``mlflow.log_model`` off, its logging refused): the run has the figures."""
+    from mlflow.entities import Metric
+
+    from ddpipe.models.served import logged_model
+
+    model = logged_model(client, run_id, rec["model_epoch"])
+    if model is None:
+        return
+    held = {(m.key, int(m.step), float(m.value)) for m in client.get_logged_model(model.model_id).metrics or []}
+    linked = [Metric(k, float(v), int(ts), int(step), model_id=model.model_id) for k, v, ts, step in rec["metrics"]
+              if (k, int(step), float(v)) not in held]
+    if linked:
+        client.log_batch(run_id, metrics=linked)
 
 
 def _create(client: Any, journal: Any, run_id: str | None, rec: dict) -> None:
@@ -250,7 +277,7 @@ def _close_orphan(client: Any, journal: Any, run_id: str, rec: dict) -> None:
     if client.get_run(run_id).info.status == "RUNNING":
         client.set_tag(run_id, "ddpipe.end_reason", rec["reason"])
         client.set_terminated(run_id, "FAILED", end_time=rec["time"])
-        print(f"MLflow run {run_id} was left RUNNING by a killed training; closed as FAILED", flush=True)
+        logger.info(f"MLflow run {run_id} was left RUNNING by a killed training; closed as FAILED")
 
 
 def _champion(client: Any, journal: Any, run_id: str, rec: dict) -> None:

@@ -29,9 +29,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import shutil
-import sys
 import threading
 import time
 import uuid
@@ -39,17 +39,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ddpipe.config.command import CommandParser, load_or_exit, run_command
 from ddpipe.core.errors import one_line
 from ddpipe.core.files import atomic_write_json, atomic_write_text
 from ddpipe.core.processes import alive_here, host_lock, this_process
 from ddpipe.tracking.delivery import Delivery, send
 from ddpipe.tracking.run_store import redact, repo_root
 
+logger = logging.getLogger(__name__)
+
 PENDING = "pending-"
 # The records' format, written into each as "v": one letter, where a file would say "format_version", because a
 # journal holds a line for every metrics call (each epoch's, each system-metrics sample's) and repeats the key on
 # each. 0: written before format versions existed (no "v"; see ddpipe.tracking.delivery.model_names); 1: a model
 # record names its network and registered model (model_name, registered_model_name), never the run's whole config.
+# A metrics record may carry model_epoch: figures of the run's logged model of that exported epoch, linked to it at
+# delivery (ddpipe.tracking.delivery.link_to_model). Still format 1: a ddpipe from before it logs them into the run
+# alone, which loses nothing of the run.
 RECORD_FORMAT, FORMAT_KEY = 1, "v"
 # paths.run_info (run.json), written as "format_version". 1: run_id (the store's id, or a pending key this outbox
 # resolves) and tracking_uri (redacted); a file without the key (written before format versions) is format 1 too:
@@ -205,7 +211,8 @@ class Courier:
 
     def __init__(self, journal: Journal, say: Callable[[str], None] | None = None, others: bool = False) -> None:
         self.journal, self.others = journal, others
-        self._say = say or (lambda text: print(text, file=sys.stderr, flush=True))
+        # records that wait (the store down, or still down at the end), and the end of that wait: warnings
+        self._say = say or logger.warning
         self._wake, self._stop = threading.Event(), threading.Event()
         self._down_since: float | None = None  # when the attempts began to fail
         self._failed = 0  # failed attempts in a row: an outage, said, from FAILURES_TO_SAY on
@@ -328,15 +335,27 @@ def finished(journal: Journal) -> None:
         shutil.rmtree(journal.dir, ignore_errors=True)
 
 
+def arguments(parser: CommandParser) -> None:
+    """``ddpipe outbox``'s arguments: deliver or status, and the overrides."""
+    parser.description = "The MLflow records that wait in this repository's outbox (mlflow.outbox) for their store."
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, what in (("deliver", "send what waits to its store (exit 1 while some still waits)"),
+                       ("status", "what waits, per run and journal")):
+        command = sub.add_parser(name, help=what, description=what)
+        command.add_overrides("key=value, as for the stages (e.g. mlflow.outbox=...)")
+        command.set_defaults(run=outbox)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``deliver`` or ``status`` of the outbox of this repository (``mlflow.outbox``)."""
-    from ddpipe.config.command import load_or_exit
+    """``ddpipe outbox deliver | status``."""
+    return run_command("ddpipe outbox", arguments, argv)
+
+
+def outbox(args: argparse.Namespace) -> int:
+    """``deliver`` or ``status`` of the outbox of this repository (``mlflow.outbox``): the command's result on
+    stdout."""
     from ddpipe.tracking.run_store import bound_http_requests, tracking_uri
 
-    p = argparse.ArgumentParser(prog="ddpipe outbox", description=__doc__.split("\n\n")[0])
-    p.add_argument("command", choices=("deliver", "status"))
-    p.add_argument("overrides", nargs="*", help="key=value, as for the stages (e.g. mlflow.outbox=...)")
-    args = p.parse_args(argv)
     cfg = load_or_exit(args.overrides, "-m ddpipe.outbox")
     root = outbox_root(cfg.mlflow.outbox)
     if args.command == "status":

@@ -13,8 +13,8 @@ over the seeds, and logs the table to the parent run: metrics, ``sweep_summary.c
 
 from __future__ import annotations
 
+import argparse
 import re
-import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ddpipe.config.command import CommandParser, load_or_exit, run_command
 from ddpipe.config.keys import flatten
 from ddpipe.config.load import user_errors
 from ddpipe.config.schema import Config
@@ -169,23 +170,27 @@ def _plot(groups: list[Group], path: Path) -> None:
     plt.close(fig)
 
 
+def arguments(parser: CommandParser) -> None:
+    """``ddpipe sweeps``' arguments: the sweep's name and the overrides."""
+    parser.description = "A sweep's runs summarised: test accuracy and macro-F1, mean and std over seeds per " \
+                         "configuration, logged to the sweep's parent run."
+    parser.epilog = __doc__
+    parser.add_argument("sweep", metavar="SWEEP_NAME", help="as set with -S mlflow.sweep=SWEEP_NAME")
+    parser.add_overrides()
+    parser.set_defaults(run=show)
+
+
+def show(args: argparse.Namespace) -> int:
+    """Print sweep ``args.sweep``'s summary (exit 2 on a user error)."""
+    cfg = load_or_exit(args.overrides, "ddpipe sweeps")
+    with user_errors(SweepError, code=2):
+        print(summarise(cfg, args.sweep), end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """``ddpipe sweeps NAME [key=value ...]``: summarise sweep NAME (exit 2 on a user error)."""
-    from ddpipe.config.command import load_or_exit
-
-    argv = sys.argv[1:] if argv is None else argv
-    names = [a for a in argv if "=" not in a]
-    usage = "usage: ddpipe sweeps SWEEP_NAME [key=value ...]   (SWEEP_NAME as set with -S mlflow.sweep=SWEEP_NAME)"
-    if "-h" in argv or "--help" in argv:
-        print(f"{usage}\n\n{__doc__}")
-        return 0
-    if len(names) != 1:
-        print(usage, file=sys.stderr)
-        return 2
-    cfg = load_or_exit([a for a in argv if "=" in a], "ddpipe sweeps")
-    with user_errors(SweepError, code=2):
-        print(summarise(cfg, names[0]), end="")
-    return 0
+    return run_command("ddpipe sweeps", arguments, argv)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ runs go: ``ddpipe.tracking.run_store``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import socket
@@ -32,7 +33,7 @@ from ddpipe import __version__
 from ddpipe.config.schema import Config, MlflowConfig
 from ddpipe.core.environment import CLUSTER_JOB_ENV, CLUSTER_LOG_ENV
 from ddpipe.core.errors import one_line
-from ddpipe.core.exits import Preempted, TrialPruned
+from ddpipe.core.exits import Preempted, StoreAway, TrialPruned
 from ddpipe.core.files import atomic_write_json
 from ddpipe.core.lockfile import environment_tags
 from ddpipe.core.processes import alive_here, this_process
@@ -53,6 +54,8 @@ from ddpipe.tracking.run_store import (
     tracking_uri,
 )
 
+logger = logging.getLogger(__name__)
+
 # A run of an experiment that ddpipe cluster sent to a scheduler: its job and the log a person reads
 CLUSTER_TAGS = {"ddpipe.cluster.job": CLUSTER_JOB_ENV, "ddpipe.cluster.log": CLUSTER_LOG_ENV}
 
@@ -64,6 +67,8 @@ def end_reason(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, Preempted):
         return "KILLED", f"{exc} (a scheduler's stop, preemption or time limit, or torchrun forwarding one); " \
                          "the same command resumes from the checkpoint of that step, into this run"
+    if isinstance(exc, StoreAway):  # a pause: the same command resumes from the store's newest checkpoint
+        return "KILLED", f"stopped: {exc}; the same command resumes from that checkpoint, into this run"
     return "FAILED", one_line(exc, 400)
 
 
@@ -86,6 +91,7 @@ class Tracker:
         return self.run_id
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
+    def log_model_metrics(self, metrics: dict[str, float], exported_epoch: int | None) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
     def log_model(self, model_path: Path, input_example: Any, model_name: str) -> None: ...
     def print_link(self) -> None: ...
@@ -133,8 +139,8 @@ class MlflowTracker(Tracker):
         gone = resume_run_id and Journal(outbox_root(self.cfg.outbox), resume_run_id, self.uri, owner=False)
         if gone and not gone.resolvable():
             finished(gone)
-            print(f"MLflow: the checkpoint's run {resume_run_id} was never created in the store and its records are "
-                  f"gone from {outbox_root(self.cfg.outbox)}; this attempt starts a new run", flush=True)
+            logger.warning(f"MLflow: the checkpoint's run {resume_run_id} was never created in the store and its "
+                           f"records are gone from {outbox_root(self.cfg.outbox)}; this attempt starts a new run")
             resume_run_id = None
         if resume_run_id:
             self._open(resume_run_id)
@@ -239,6 +245,15 @@ class MlflowTracker(Tracker):
         now = int(time.time() * 1000)
         self._append("metrics", metrics=[[k, float(v), now, step or 0] for k, v in metrics.items()])
 
+    def log_model_metrics(self, metrics: dict[str, float], exported_epoch: int | None) -> None:
+        """Figures that describe the run's logged model of ``exported_epoch`` (its validation figures, the evaluate
+        stage's test figures): into the run at step 0, and at delivery linked to that model as well (its metrics in
+        MLflow's Models tab: ``ddpipe.tracking.delivery.link_to_model``); the run's alone when it holds no such
+        model (``mlflow.log_model`` off) or ``exported_epoch`` is None."""
+        now = int(time.time() * 1000)
+        link = {} if exported_epoch is None else {"model_epoch": int(exported_epoch)}
+        self._append("metrics", metrics=[[k, float(v), now, 0] for k, v in metrics.items()], **link)
+
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         if self.enabled and self.journal is not None:
             self._append("artifact", path=self.journal.keep_file(path), artifact_path=artifact_path)
@@ -257,9 +272,9 @@ class MlflowTracker(Tracker):
     def print_link(self) -> None:
         """Where to look: the run in ``mlflow ui``'s runs view (started in the repo root)."""
         if self.run_id and self.experiment_id:
-            print(f"MLflow run {self.run_id}: run `mlflow ui` in {repo_root()} and open\n  "
-                  f"{runs_view_url(self.experiment_id)}  (runs table)\n  "
-                  f"{runs_view_url(self.experiment_id, charts=True)}  (charts)", flush=True)
+            logger.info(f"MLflow run {self.run_id}: run `mlflow ui` in {repo_root()} and open\n  "
+                        f"{runs_view_url(self.experiment_id)}  (runs table)\n  "
+                        f"{runs_view_url(self.experiment_id, charts=True)}  (charts)")
 
     def _end(self, status: str, reason: str) -> None:
         if self.run_id:

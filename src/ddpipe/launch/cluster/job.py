@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -35,6 +36,7 @@ from typing import NoReturn
 
 from ddpipe.core.environment import CLUSTER_JOB_ENV, CLUSTER_LOG_ENV, NODES_ENV, REPO_ROOT_ENV
 from ddpipe.core.exits import EXIT_PREEMPTED, STOP_SIGNALS
+from ddpipe.core.logs import configure
 from ddpipe.engine.pruning import trial_spec
 from ddpipe.launch import workspace
 from ddpipe.launch.cluster import kubernetes, records, slurm
@@ -42,9 +44,12 @@ from ddpipe.launch.cluster.queue import exp_ref
 
 READY = ".ddpipe-ready"
 
+logger = logging.getLogger(__name__)
 
-def say(text: str) -> None:
-    print(f"ddpipe.cluster [{time.strftime('%H:%M:%S')}]: {text}", flush=True)
+
+def say(text: str, level: int = logging.INFO) -> None:
+    """A line of the job's log, timed."""
+    logger.log(level, f"ddpipe.cluster [{time.strftime('%H:%M:%S')}]: {text}")
 
 
 def sh(cmd: list[str], cwd: Path, env: dict | None = None, check: bool = True) -> int:
@@ -83,13 +88,14 @@ def environment(m: dict, e: dict, ws: Path, sched) -> dict[str, str]:
     return env
 
 
-def trial_targets(ws: Path) -> list[str]:
+def trial_targets(ws: Path, name: str) -> list[str]:
     """A search's trial (``ddpipe search run --cluster``: its description in the job's environment) runs
     its one stage, the train stage, with the evaluate and export stages' tracked files out of its experiment (issue
-    47: a trial never touches the test split); any other experiment runs whole: ``[]``."""
+    47: a trial never touches the test split) and how to apply it in their place (``workspace.hold_out``); any other
+    experiment runs whole: ``[]``."""
     spec = trial_spec() or {}
     if spec.get("held_out"):
-        workspace.quiet_shell(["git", "rm", "-r", "-q", "--ignore-unmatch", "--", *spec["held_out"]], cwd=ws)
+        workspace.hold_out(ws, spec["held_out"], spec.get("apply_note", ""), name)
     return [spec["stage"]] if spec.get("stage") else []
 
 
@@ -104,13 +110,14 @@ def run_experiment(ws: Path, name: str, env: dict, forward: tuple[signal.Signals
 
     def kill_if_running() -> None:
         if child is not None and child.poll() is None:
-            say(f"still running {warn_seconds:.0f} s after SIGUSR1 (a stage that does not checkpoint): stopped")
+            say(f"still running {warn_seconds:.0f} s after SIGUSR1 (a stage that does not checkpoint): stopped",
+                logging.WARNING)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.pid, signal.SIGKILL)
 
     def on_stop(signum: int, frame: object) -> None:
         stops.append(signum)
-        say(f"received {signal.Signals(signum).name}")
+        say(f"received {signal.Signals(signum).name}", logging.WARNING)
         if child is not None and child.poll() is None and signum in forward:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.pid, signum)
@@ -162,7 +169,7 @@ def mark_run(e: dict, run_id: str | None, state: str) -> None:
             client.set_tag(run_id, "ddpipe.cluster.log", e["log"])
             client.set_terminated(run_id, "FAILED")
     except Exception as exc:  # the experiment's own record (results/, the log) still says it
-        say(f"could not mark MLflow run {run_id} {state}: {type(exc).__name__}: {exc}")
+        say(f"could not mark MLflow run {run_id} {state}: {type(exc).__name__}: {exc}", logging.WARNING)
 
 
 def agent(m: dict, e: dict, ws: Path, index: int) -> NoReturn:
@@ -190,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     log = os.open(e["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    configure()  # DDPIPE_LOG_LEVEL, as the submitting command's environment had it
     if "--agent" in argv or os.environ.get("JOB_COMPLETION_INDEX", "0") != "0":
         agent(m, e, ws, index)
     say(f"experiment {name}, job {sched.job_id()}, attempt {sched.attempt()}, on {socket.gethostname()}, "
@@ -199,11 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         make_workspace(m, e, ws)
         env = environment(m, e, ws, sched)
     except Exception as exc:
-        say(f"the workspace could not be made: {exc}")
+        say(f"the workspace could not be made: {exc}", logging.ERROR)
         if e["storage"] == "shared":
             records.write_result(root, name, "failed", code=1, log=e["log"], reason=f"workspace: {exc}")
         return 1
-    targets = trial_targets(ws)
+    targets = trial_targets(ws, name)
     say(f"$ dvc exp run --name {name}{''.join(f' {t}' for t in targets)}   (in {ws})")
     code, stops = run_experiment(ws, name, env, sched.FORWARD, sched.WARN_SECONDS - 60, targets)
     run_id = mlflow_run(ws, e)
@@ -213,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                 sh(["dvc", "exp", "push", *remote, e["git_remote"], name], cwd=ws, check=False) == 0)
         if not back:  # done here, not back: say so, keep the workspace to push again
             say(f"experiment {name} ran but could not be sent back; its workspace is kept: {ws} (run the command "
-                "above there)")
+                "above there)", logging.ERROR)
             if e["storage"] == "shared":
                 records.write_result(root, name, "failed", code=1, log=e["log"], run_id=run_id or "",
                                      workspace=str(ws), reason="the experiment ref could not be pushed back")
@@ -226,12 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if stops:  # stopped, its step checkpointed in the workspace: the next run of the job resumes it
         if signal.SIGUSR1 in stops and m["scheduler"] == "slurm":
-            say("stopped ahead of the time limit; requeueing the job")
+            say("stopped ahead of the time limit; requeueing the job", logging.WARNING)
             slurm.requeue_self()
         else:
-            say(f"stopped by {signal.Signals(stops[0]).name}; the scheduler requeues or cancels the job")
+            say(f"stopped by {signal.Signals(stops[0]).name}; the scheduler requeues or cancels the job",
+                logging.WARNING)
         return EXIT_PREEMPTED
-    say(f"experiment {name} failed (dvc exp run exited {code}); its workspace is kept: {ws}")
+    say(f"experiment {name} failed (dvc exp run exited {code}); its workspace is kept: {ws}", logging.ERROR)
     mark_run(e, run_id, "failed")
     if e["storage"] == "shared":
         records.write_result(root, name, "failed", code=code or 1, log=e["log"], run_id=run_id or "",

@@ -2,9 +2,10 @@
 as deploy/k8s/indexed-job.yaml does for one training. Pod 0 runs the experiment's driver (``dvc exp run`` in its
 workspace); the other pods wait for that workspace and run one launcher each, joining pod 0's rendezvous. Every pod
 runs the training image (``cluster.image``, the Containerfile's) with its own interpreter (:data:`IMAGE_PYTHON`), never
-the submitting machine's. The repository, at the root of a PersistentVolumeClaim (``cluster.volume_claim``), is mounted
-at :data:`POD_REPO`, and what a job reads (the group's manifest, every path in it rebased there: :func:`in_pods`)
-comes in a ConfigMap of the same YAML: the manifests name no path of the submitting machine.
+the submitting machine's, as its user (:data:`IMAGE_UID`), never root. The repository, at the root of a
+PersistentVolumeClaim (``cluster.volume_claim``), is mounted at :data:`POD_REPO`, and what a job reads (the group's
+manifest, every path in it rebased there: :func:`in_pods`) comes in a ConfigMap of the same YAML: the manifests name
+no path of the submitting machine.
 
 Written and validated offline (the tests check them against the Kubernetes API's schemas); not run on a cluster
 here. ``submit --dry-run DIR`` writes them without kubectl.
@@ -30,6 +31,9 @@ PORT = RDZV_PORT
 WARN_SECONDS = 180  # no time-limit warning here; a SIGUSR1 sent by hand gets what SLURM's gets
 # The training image's interpreter: the Containerfile's venv (UV_PROJECT_ENVIRONMENT), holding the lock's packages
 IMAGE_PYTHON = "/opt/ddpipe/venv/bin/python"
+# The training image's user (the Containerfile's USER, uid and gid), never root: the pods run as it, and fsGroup gives
+# it the repository's volume, where the volume's driver manages ownership (on NFS the files must be writable by it)
+IMAGE_UID = 10001
 POD_REPO = "/workspace"  # where the pods mount the volume that holds the repository at its root
 POD_CONFIG = "/etc/ddpipe"  # where the pods mount the group's ConfigMap: its manifest, group.json
 GRACE_SECONDS = 120  # SIGTERM then SIGKILL: the step in progress plus a checkpoint (deploy/k8s/indexed-job.yaml)
@@ -39,6 +43,18 @@ def available() -> None:
     if not shutil.which("kubectl"):
         raise ClusterError("cluster.scheduler = 'kubernetes': kubectl is not on PATH; `ddpipe cluster submit "
                            "--dry-run DIR` writes the manifests without it")
+
+
+def require_image(image: str | None, experiment: str) -> str:
+    """``cluster.image``, which has no default: a name that no node can pull makes pods that wait for ever
+    (ErrImagePull), so an unset one is refused before anything is submitted."""
+    if not image:
+        raise ClusterError(
+            f"queued experiment {experiment!r}: cluster.image is not set, and the pods need the training image by a "
+            "name their nodes can pull: build it with `make image IMAGE=<registry>/ddpipe:<tag>`, push it "
+            "(podman push <registry>/ddpipe:<tag>), then set cluster.image in params.yaml or on the command line "
+            "(ddpipe cluster submit cluster.image=<registry>/ddpipe:<tag>); docs/cluster.md, \"Kubernetes\"")
+    return image
 
 
 def job_name(submission: str, index: int) -> str:
@@ -83,9 +99,16 @@ def config_map(name: str, namespace: str, manifest: dict) -> dict:
             "data": {"group.json": json.dumps(manifest, indent=1)}}
 
 
+def pod_security() -> dict:
+    """A pod's securityContext: the image's user (:data:`IMAGE_UID`), never root, its group the volume's files'."""
+    return {"runAsNonRoot": True, "runAsUser": IMAGE_UID, "runAsGroup": IMAGE_UID, "fsGroup": IMAGE_UID,
+            "fsGroupChangePolicy": "OnRootMismatch"}  # a volume's files regrouped only when its root is not
+
+
 def manifests(cfg: Config, job: str, submission: str, name: str, config: str, index: int) -> list[dict]:
     """The Service and the Indexed Job of experiment ``name`` (``index`` in the manifest of ConfigMap ``config``)."""
     c, nodes = cfg.cluster, int(cfg.distributed.nnodes)
+    assert c.image, "cluster.image is checked before any manifest is written (require_image)"
     labels = {"app.kubernetes.io/name": "ddpipe", "ddpipe.cluster/submission": submission}
     resources: dict = {}
     if c.cpus_per_node:
@@ -122,7 +145,7 @@ def manifests(cfg: Config, job: str, submission: str, name: str, config: str, in
             "template": {
                 "metadata": {"labels": labels},
                 "spec": {"subdomain": job, "restartPolicy": "Never", "terminationGracePeriodSeconds": GRACE_SECONDS,
-                         "containers": [container],
+                         "securityContext": pod_security(), "containers": [container],
                          "volumes": [{"name": "workspace", "persistentVolumeClaim": {"claimName": c.volume_claim}},
                                      {"name": "manifest", "configMap": {"name": config}}]},
             },

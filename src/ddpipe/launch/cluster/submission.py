@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import secrets
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import yaml
 
+from ddpipe.config.command import CommandParser, run_command
 from ddpipe.config.load import user_errors
 from ddpipe.core.metric_names import TEST_ACCURACY
 from ddpipe.launch import workspace
@@ -35,6 +37,7 @@ FLAGS = {"scheduler": "cluster.scheduler", "partition": "cluster.partition", "ac
          "time": "cluster.time_limit", "gpus_per_node": "cluster.gpus_per_node",
          "cpus_per_node": "cluster.cpus_per_node", "mem": "cluster.mem", "max_running": "cluster.max_running",
          "storage": "cluster.storage"}
+logger = logging.getLogger(__name__)
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
          "PREEMPTED", "ENDED")
 
@@ -67,6 +70,9 @@ def git_url(repo: Path, remote: str) -> str:
 def check(repo: Path, exps: list[Queued], dry_run: bool) -> None:
     """Every check of every experiment before anything is submitted."""
     for e in exps:
+        if e.cfg.cluster.scheduler == "kubernetes":
+            kubernetes.require_image(e.cfg.cluster.image, e.name)
+    for e in exps:
         if e.cfg.cluster.storage == "remote" and int(e.cfg.distributed.nnodes) > 1:
             raise ClusterError(f"queued experiment {e.name!r}: distributed.nnodes = {e.cfg.distributed.nnodes} is not "
                                "accepted with cluster.storage = 'remote': every node of a job reads the one workspace, "
@@ -88,8 +94,8 @@ def check(repo: Path, exps: list[Queued], dry_run: bool) -> None:
                                    "mlflow.tracking_uri (or MLFLOW_TRACKING_URI) to the team's tracking server")
             git_url(repo, e.cfg.cluster.git_remote)
         elif e.cfg.cluster.scheduler == "kubernetes" and not is_server(uri):
-            print(f"note: experiment {e.name!r} logs to {redact(uri)}: the pods reach it only on the shared volume "
-                  "(a sqlite file there is not safe for pods on several nodes: a tracking server is)", file=sys.stderr)
+            logger.info(f"note: experiment {e.name!r} logs to {redact(uri)}: the pods reach it only on the shared "
+                        "volume (a sqlite file there is not safe for pods on several nodes: a tracking server is)")
 
 
 def entry(repo: Path, root: Path, e: Queued, submission: str) -> dict:
@@ -254,7 +260,7 @@ def wait(repo: Path, timeout: float, poll: float) -> int:
         try:
             states.update(live_states(todo))
         except ClusterError as exc:
-            print(f"{time.strftime('%H:%M:%S')} {exc}; asking again in {poll:.0f} s", file=sys.stderr, flush=True)
+            logger.warning(f"{time.strftime('%H:%M:%S')} {exc}; asking again in {poll:.0f} s")
         for rec in todo:
             state = states.get(rec.name, "UNKNOWN")
             if state.split()[0] in ENDED:
@@ -264,7 +270,7 @@ def wait(repo: Path, timeout: float, poll: float) -> int:
         todo = [r for r in recs if not records.result(root, r.name)]
         line = ", ".join(f"{n} {s}" for s, n in Counter(states.get(r.name, "UNKNOWN") for r in todo).items())
         if line and line != said:
-            print(f"{time.strftime('%H:%M:%S')} waiting for {len(todo)} experiment(s): {line}", flush=True)
+            logger.info(f"{time.strftime('%H:%M:%S')} waiting for {len(todo)} experiment(s): {line}")
             said = line
         if todo and time.time() > deadline:
             print(table(repo, root, recs, states))
@@ -276,10 +282,10 @@ def wait(repo: Path, timeout: float, poll: float) -> int:
     print(table(repo, root, recs, states))
     failed = [r.name for r in recs if records.result(root, r.name)["state"] != "succeeded"]
     if failed:
-        print(f"{len(failed)} of {len(recs)} experiment(s) did not succeed: {', '.join(failed)} (their logs above)",
-              file=sys.stderr)
+        logger.error(f"{len(failed)} of {len(recs)} experiment(s) did not succeed: {', '.join(failed)} (their logs "
+                     "above)")
         return 1
-    print(f"all {len(recs)} experiment(s) are back: dvc exp show")
+    logger.info(f"all {len(recs)} experiment(s) are back: dvc exp show")
     return 0
 
 
@@ -299,21 +305,33 @@ def cancel(repo: Path, names: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ddpipe cluster", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+def arguments(parser: CommandParser) -> None:
+    """``ddpipe cluster``'s arguments: submit, status, cancel and wait, each with its options."""
+    parser.description = "DVC's queued experiments as SLURM or Kubernetes jobs: submit, status, cancel, wait."
+    parser.epilog = __doc__.split("\n\n", 1)[1]
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     s = sub.add_parser("submit", help="every experiment in DVC's queue -> a job")
     s.add_argument("--dry-run", type=Path, metavar="DIR", help="write the job scripts and manifests only")
-    for flag in FLAGS:
-        s.add_argument("--" + flag.replace("_", "-"), dest=flag)
-    s.add_argument("overrides", nargs="*", metavar="key=value")
+    for flag, key in FLAGS.items():
+        s.add_argument("--" + flag.replace("_", "-"), dest=flag, help=f"{key} for these jobs")
+    s.add_overrides("cluster.key=value for these jobs (the experiments run their own queued params)")
     sub.add_parser("status", help="each submitted experiment: job, state, result, log")
     c = sub.add_parser("cancel", help="stop the jobs of these (all unfinished) experiments")
-    c.add_argument("names", nargs="*")
+    c.add_argument("names", nargs="*", metavar="NAME")
     w = sub.add_parser("wait", help="until every job has ended and its experiment is back")
-    w.add_argument("--timeout", type=float, default=7 * 24 * 3600)
-    w.add_argument("--poll", type=float, default=10.0)
-    args = parser.parse_args(argv)
+    w.add_argument("--timeout", type=float, default=7 * 24 * 3600, metavar="SECONDS")
+    w.add_argument("--poll", type=float, default=10.0, metavar="SECONDS", help="how often the scheduler is asked")
+    for leaf in sub.choices.values():
+        leaf.set_defaults(run=cluster)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ddpipe cluster``: its exit code."""
+    return run_command("ddpipe cluster", arguments, argv)
+
+
+def cluster(args: argparse.Namespace) -> int:
+    """Run ``args.command``; its results (the submitted jobs, the table) on stdout."""
     with user_errors(ClusterError, code=2):
         repo = repo_of(Path.cwd())
         if args.command == "submit":
@@ -322,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             if recs:
                 for r in recs:
                     print(f"submitted {r.name}: {r.scheduler} job {r.job}, log {r.log}")
-                print("ddpipe cluster status | wait")
+                logger.info("ddpipe cluster status | wait")
             return 0
         if args.command == "status":
             root = records.state_dir(repo)
@@ -333,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 states = live_states(recs)
             except ClusterError as exc:
-                print(f"note: {exc}; the scheduler's states are not shown", file=sys.stderr)
+                logger.info(f"note: {exc}; the scheduler's states are not shown")
                 states = {}
             print(table(repo, root, recs, states))
             return 0
