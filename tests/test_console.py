@@ -156,3 +156,18 @@ def test_a_commands_level_reaches_the_processes_it_starts_and_ranks_past_0_say_w
         somewhere.warning("warning: a rank's own trouble")
         shown = capsys.readouterr().err
         assert shown == ("an epoch's line\n" if rank == "0" else "") + "warning: a rank's own trouble\n", shown
+
+
+def test_a_module_run_with_python_m_says_its_messages_under_ddpipes_logger(tmp_path: Path) -> None:
+    """A module torchrun or a scheduler runs as ``python -m`` (the worker, a cluster job) is ``__main__`` there: its
+    logger must still be ddpipe's, or its INFO lines vanish (Python's last-resort handler shows warnings only)."""
+    mains = [p for p in (ROOT / "src" / "ddpipe").rglob("*.py") if 'if __name__ == "__main__"' in p.read_text()]
+    assert mains
+    for path in mains:
+        assert "getLogger(__name__)" not in path.read_text(), f"{path}: logging.getLogger(__spec__.name) instead"
+    # the job as a scheduler runs it: `python -m ddpipe.launch.cluster.job MANIFEST INDEX`, its first line at INFO
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text('{"experiments": [{"workspace": "ws", "name": "x", "log": "%s", "storage": "shared"}], '
+                        '"scheduler": "slurm", "state": "%s"}' % (tmp_path / "x.log", tmp_path / "state"))
+    run([sys.executable, "-m", "ddpipe.launch.cluster.job", str(manifest), "0"], cwd=tmp_path, check=False)
+    assert "experiment x, job" in (tmp_path / "x.log").read_text(), (tmp_path / "x.log").read_text()

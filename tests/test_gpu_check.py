@@ -16,7 +16,7 @@ CHECK = [sys.executable, "bench/gpu_check.py"]
 
 
 def test_make_gpu_check_runs_the_check_within_8_minutes() -> None:
-    recipe = run(["make", "-n", "gpu-check"]).stdout.strip().splitlines()
+    recipe = run(["make", "--no-print-directory", "-n", "gpu-check"]).stdout.strip().splitlines()
     assert recipe[-1] == "python bench/gpu_check.py --budget-s 480", recipe  # 8 minutes, from the venv (make setup)
     assert run([*CHECK, "--help"]).stdout.startswith("usage: python bench/gpu_check.py")
     wrong = run([*CHECK, "--budget"], check=False)

@@ -73,7 +73,7 @@ from ddpipe.core.files import atomic_write_json
 from ddpipe.core.processes import host_lock
 from ddpipe.engine.timing import Candidate, Feed, Sample, StepTimer, SyntheticFeed
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__spec__.name)  # its dotted name under `python -m` too (there __name__ is "__main__")
 
 # The recipes that reach the accuracy, by input: (model.name, train.batch_size_per_rank) of a one-process run. Small
 # images (raw Fashion-MNIST): resnet_compact at 128 reached 0.923 test accuracy in 10 epochs, resnet_small at 256 0.92

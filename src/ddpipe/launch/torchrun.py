@@ -68,7 +68,7 @@ RDZV_PORT = 29400
 # What torchrun passes on to its workers (its default, plus SLURM's warning signal)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__spec__.name)  # its dotted name under `python -m` too (there __name__ is "__main__")
 
 
 def torchrun_command(d: DistributedConfig, nproc: int, script_args: Sequence[str] = (),

@@ -27,7 +27,7 @@ from ddpipe.core.logs import configure
 from ddpipe.data.store import PreparedDataError
 from ddpipe.launch.torchrun import worker_config
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__spec__.name)  # its dotted name under `python -m` too (there __name__ is "__main__")
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where torchrun's agent reads a failed rank's error (torch's own name)
 

@@ -46,7 +46,7 @@ from ddpipe.core.processes import alive_here, host_lock, this_process
 from ddpipe.tracking.delivery import Delivery, send
 from ddpipe.tracking.run_store import redact, repo_root
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__spec__.name)  # its dotted name under `python -m` too (there __name__ is "__main__")
 
 PENDING = "pending-"
 # The records' format, written into each as "v": one letter, where a file would say "format_version", because a

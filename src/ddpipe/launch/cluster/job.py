@@ -44,7 +44,7 @@ from ddpipe.launch.cluster.queue import exp_ref
 
 READY = ".ddpipe-ready"
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__spec__.name)  # its dotted name under `python -m` too (there __name__ is "__main__")
 
 
 def say(text: str, level: int = logging.INFO) -> None:

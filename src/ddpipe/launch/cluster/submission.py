@@ -37,7 +37,7 @@ FLAGS = {"scheduler": "cluster.scheduler", "partition": "cluster.partition", "ac
          "time": "cluster.time_limit", "gpus_per_node": "cluster.gpus_per_node",
          "cpus_per_node": "cluster.cpus_per_node", "mem": "cluster.mem", "max_running": "cluster.max_running",
          "storage": "cluster.storage"}
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__spec__.name)  # its dotted name under `python -m` too (there __name__ is "__main__")
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
          "PREEMPTED", "ENDED")
 
