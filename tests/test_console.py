@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -167,7 +168,8 @@ def test_a_module_run_with_python_m_says_its_messages_under_ddpipes_logger(tmp_p
         assert "getLogger(__name__)" not in path.read_text(), f"{path}: logging.getLogger(__spec__.name) instead"
     # the job as a scheduler runs it: `python -m ddpipe.launch.cluster.job MANIFEST INDEX`, its first line at INFO
     manifest = tmp_path / "manifest.json"
-    manifest.write_text('{"experiments": [{"workspace": "ws", "name": "x", "log": "%s", "storage": "shared"}], '
-                        '"scheduler": "slurm", "state": "%s"}' % (tmp_path / "x.log", tmp_path / "state"))
+    manifest.write_text(json.dumps({"experiments": [{"workspace": "ws", "name": "x", "log": str(tmp_path / "x.log"),
+                                                     "storage": "shared"}], "scheduler": "slurm",
+                                    "state": str(tmp_path / "state")}))
     run([sys.executable, "-m", "ddpipe.launch.cluster.job", str(manifest), "0"], cwd=tmp_path, check=False)
     assert "experiment x, job" in (tmp_path / "x.log").read_text(), (tmp_path / "x.log").read_text()
