@@ -190,14 +190,7 @@ def test_the_model_is_logged_as_code_without_a_pickle_or_a_warning(tmp_path: Pat
 
     from ddpipe.models.served import MODEL_CODE_FILE, log_pyfunc
 
-    torch.manual_seed(0)
-    model_cfg = ModelConfig(name="resnet_small", width=8)
-    meta = {"num_channels": 1, "classes": [f"c{i}" for i in range(10)], "mean": [0.3], "std": [0.35],
-            "image_size": [28, 28], "encoding": "raw"}
-    save_model(build_model(model_cfg, 1, 10).state_dict(), model_cfg, meta, tmp_path / "m.pt",
-               extra={"exported_epoch": 1})
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
-    experiment = mlflow.create_experiment("code", artifact_location=(tmp_path / "artifacts").as_uri())
+    experiment = _small_model_and_store(tmp_path, 0, "code")
     said: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
@@ -285,14 +278,7 @@ def test_a_logged_model_runs_its_own_code_beside_another_installed_ddpipe_and_sh
     from ddpipe.models.carried import code_digest
     from ddpipe.models.served import log_pyfunc
 
-    torch.manual_seed(1)
-    model_cfg = ModelConfig(name="resnet_small", width=8)
-    meta = {"num_channels": 1, "classes": [f"c{i}" for i in range(10)], "mean": [0.3], "std": [0.35],
-            "image_size": [28, 28], "encoding": "raw"}
-    save_model(build_model(model_cfg, 1, 10).state_dict(), model_cfg, meta, tmp_path / "m.pt",
-               extra={"exported_epoch": 1})
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
-    experiment = mlflow.create_experiment("beside", artifact_location=(tmp_path / "artifacts").as_uri())
+    experiment = _small_model_and_store(tmp_path, 1, "beside")
     run_id = mlflow.MlflowClient().create_run(experiment).info.run_id
     log_pyfunc(mlflow, run_id, tmp_path / "m.pt", _images(2), "resnet_small", None, "abc123")
     local = mlflow.artifacts.download_artifacts(f"runs:/{run_id}/model", dst_path=str(tmp_path / "dl"))
@@ -460,3 +446,17 @@ def test_a_model_of_encoded_images_takes_any_size_and_predicts_as_evaluated(tmp_
     exported = json.loads((tmp_path / "train.json").read_text())["train"]["exported_ema"]
     print("exported:", "the weight average" if exported else "the raw weights")
     assert load_model(tmp_path / "model.pt")[1].exported_weights == ("ema" if exported else "raw")
+
+
+def _small_model_and_store(tmp_path: Path, seed: int, experiment_name: str) -> str:
+    """A small resnet saved as tmp_path/m.pt (exported at epoch 1) and an experiment in a sqlite store there: its id."""
+    import mlflow
+
+    torch.manual_seed(seed)
+    model_cfg = ModelConfig(name="resnet_small", width=8)
+    meta = {"num_channels": 1, "classes": [f"c{i}" for i in range(10)], "mean": [0.3], "std": [0.35],
+            "image_size": [28, 28], "encoding": "raw"}
+    save_model(build_model(model_cfg, 1, 10).state_dict(), model_cfg, meta, tmp_path / "m.pt",
+               extra={"exported_epoch": 1})
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    return mlflow.create_experiment(experiment_name, artifact_location=(tmp_path / "artifacts").as_uri())
