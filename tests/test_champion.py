@@ -170,6 +170,44 @@ def test_two_waiters_on_a_stale_lock_decide_one_at_a_time(store: tuple[str, Path
     assert not _client(uri).search_registered_models("name LIKE 'ddpipe-lock.%'")  # lock, markers, clocks: gone
 
 
+def test_a_torn_read_across_a_takeover_never_makes_the_new_lock_stale(store: tuple[str, Path],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow reads a registered model's row and its tags in two queries: a waiter's read across another's takeover
+    paired the dead lock's hour-old stamp with the new lock's token, and it deleted the lock just taken (CI at
+    67d2383). Here another waiter takes the dead lock over right after this one's first read, and the next read comes
+    back torn that way: this waiter keeps waiting and the new lock stays."""
+    import copy
+
+    from ddpipe.tracking import champion
+
+    uri, _ = store
+    client, other, lock = _client(uri), _client(uri), f"ddpipe-lock.{NAME}.{ALIAS}"
+    real = client.get_registered_model
+    client.create_registered_model(lock, tags={"ddpipe.lock": "dead", "holder": "a host that died"})
+    dead_ms = real(lock).last_updated_timestamp - 3600000
+    reads: list[str] = []
+
+    def torn(name: str):  # noqa: ANN202
+        model = real(name)
+        if name != lock:
+            return model
+        reads.append(name)
+        if len(reads) == 1:  # the dead lock as read; then the other waiter's takeover
+            other.delete_registered_model(lock)
+            other.create_registered_model(lock, tags={"ddpipe.lock": "live", "holder": "the other waiter"})
+        if len(reads) <= 2:  # the first read as it was; the second pairs the new lock's tags with that stamp
+            model = copy.copy(model)
+            model._last_updated_timestamp = dead_ms
+        return model
+
+    monkeypatch.setattr(client, "get_registered_model", torn)
+    monkeypatch.setattr(champion, "LOCK_WAIT_S", 1.0)
+    with pytest.raises(TimeoutError, match="is being decided by the other waiter"), champion.alias_lock(
+            client, NAME, ALIAS):
+        pass
+    assert real(lock).tags["ddpipe.lock"] == "live"
+
+
 def test_a_holder_whose_lock_was_taken_over_leaves_the_new_one(store: tuple[str, Path],
                                                               capsys: pytest.CaptureFixture) -> None:
     """A holder that finds on leaving that its lock is another's (taken over while it stalled) deletes nothing and

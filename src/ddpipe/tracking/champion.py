@@ -202,16 +202,25 @@ class _Claim(NamedTuple):
 
 
 def _claim(client: Any, name: str) -> _Claim | None:
-    """The registered model ``name`` as a claim; None when there is none."""
+    """The registered model ``name`` as a claim, None when there is none; read until two reads in a row agree. MLflow
+    reads a model's row and its tags in two queries: one read can pair a deleted lock's stamp with its successor's
+    token (CI at 67d2383), and the next then shows the successor's own, later stamp, as tags are written with rows."""
     from mlflow.exceptions import MlflowException
 
-    try:
-        model = client.get_registered_model(name)
-    except MlflowException as exc:
-        if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
-            raise
-        return None
-    return _Claim(model.tags.get("ddpipe.lock", ""), model.tags.get("holder", "?"), int(model.last_updated_timestamp))
+    def read() -> _Claim | None:
+        try:
+            model = client.get_registered_model(name)
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            return None
+        tags = model.tags
+        return _Claim(tags.get("ddpipe.lock", ""), tags.get("holder", "?"), int(model.last_updated_timestamp))
+
+    last = read()
+    while (again := read()) != last:
+        last = again
+    return last
 
 
 def _create(client: Any, name: str, token: str, holder: str, about: str) -> int | None:
