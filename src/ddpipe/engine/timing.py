@@ -21,16 +21,19 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ddpipe.config.schema import ModelConfig, TrainConfig
 from ddpipe.core.devices import PrecisionPolicy
 from ddpipe.data.loaders import BatchKey, TrainingData
 from ddpipe.engine.objective import Objective
+from ddpipe.engine.optimizer import Optimization
 
 if TYPE_CHECKING:  # resolved imports this module
     from ddpipe.engine.resolved import Resolved
 
 Candidate = tuple[str, int, str, bool]  # (model.name, batch per process, precision, channels_last)
+STEPS_SCHEDULED = 10_000  # the lr schedule a timed candidate's optimizer follows: one epoch of so many steps
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,9 @@ class Sample:
 
 
 class Feed(Protocol):
-    """Where a timed step's batches come from, and the loss it takes."""
+    """Where a timed step's batches come from, the loss it takes and the training section whose optimizer steps."""
+
+    train: TrainConfig
 
     def serve(self, sizes: list[int]) -> Iterator[tuple]:
         """Batches of these sizes, in this order, from one pass."""
@@ -61,10 +66,11 @@ class Feed(Protocol):
 
 
 class SyntheticFeed:
-    """Random batches of the input's shape, made once per size and layout: the model alone, no loader."""
+    """Random batches of the input's shape, made once per size and layout: the model alone, no loader, the schema's
+    optimizer."""
 
     def __init__(self, channels: int, classes: int, side: int) -> None:
-        self.channels, self.classes, self.side = channels, classes, side
+        self.channels, self.classes, self.side, self.train = channels, classes, side, TrainConfig()
         self._made: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def serve(self, sizes: list[int]) -> Iterator[tuple]:
@@ -91,7 +97,7 @@ class LoaderFeed:
     the training split (its first epoch's views), taken in turn and again from the start when used up."""
 
     def __init__(self, data: TrainingData, tc: TrainConfig, device: torch.device, seed: int) -> None:
-        self.data, self.tc, self.device = data, tc, device
+        self.data, self.tc, self.train, self.device = data, tc, tc, device
         n = data.meta.sizes["train"]
         self.order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         self._objectives: dict[bool, Objective] = {}
@@ -137,25 +143,30 @@ class LoaderFeed:
 
 
 class _Step:
-    """One candidate's network on the CPU in its precision and memory format, and its optimizer (SGD with momentum,
-    as the training's default)."""
+    """One candidate's network on the CPU in its precision and memory format, stepped by the training's own
+    :class:`~ddpipe.engine.optimizer.Optimization` of ``train`` (its optimizer, the gradient norm it checks every
+    step or the clipping, the lr schedule): timed with plain SGD, the chosen candidate ran 1.21x the training's
+    images/s (BENCHMARKS.md, "`auto` by measuring")."""
 
-    def __init__(self, model: ModelConfig, channels: int, classes: int, candidate: Candidate) -> None:
+    def __init__(self, model: ModelConfig, train: TrainConfig, channels: int, classes: int,
+                 candidate: Candidate) -> None:
         from ddpipe.models.catalog import build_model
 
         name, _, precision, channels_last = candidate
         torch.manual_seed(0)
         self.policy = PrecisionPolicy(torch.device("cpu"), precision, channels_last)
         self.module = self.policy.place(build_model(replace(model, name=name), channels, classes)).train()
-        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=0.01, momentum=0.9)
+        self.optim = Optimization(train, lambda lr: [{"params": list(self.module.parameters()), "lr": lr}], 1,
+                                  STEPS_SCHEDULED, 1, self.policy.grad_scaler(), nn.utils.clip_grad_norm_)
+        self.steps = 0
 
     def __call__(self, feed: Feed, batch: tuple) -> None:
         x, labels, targets = feed.inputs(batch, self.policy.channels_last)
         with self.policy.autocast():
             loss = feed.loss(self.module(x), labels, targets)
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optim.backward(loss)
+        self.steps += 1
+        self.optim.step(self.module.parameters(), (1, self.steps))
 
 
 class StepTimer:
@@ -192,5 +203,5 @@ class StepTimer:
 
     def _step(self, candidate: Candidate) -> _Step:
         if candidate not in self._steps:
-            self._steps[candidate] = _Step(self.model, self.channels, self.classes, candidate)
+            self._steps[candidate] = _Step(self.model, self.feed.train, self.channels, self.classes, candidate)
         return self._steps[candidate]
