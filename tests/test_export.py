@@ -375,9 +375,11 @@ def test_bad_export_params_are_refused_before_any_work(override: str, says: str)
 def test_an_opset_newer_than_the_exporter_writes_is_refused_before_any_work(tmp_path: Path) -> None:
     from ddpipe.export.stage import check_before_work
 
+    args = args_for(tmp_path, tmp_path, "export.opset=99")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}  # conftest's migrated MLflow store alone
     with pytest.raises(ConfigError, match="export.opset = 99 is not accepted; the installed onnx"):
-        check_before_work(load_config(args_for(tmp_path, tmp_path, "export.opset=99"), params_file=PARAMS))
-    assert list(tmp_path.iterdir()) == []
+        check_before_work(load_config(args, params_file=PARAMS))
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
 def test_an_operator_the_exporter_refuses_is_named(tmp_path: Path) -> None:

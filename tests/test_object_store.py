@@ -372,10 +372,11 @@ def test_a_store_that_is_down_refuses_the_key_or_lacks_the_bucket_is_named_befor
     traceback, nothing written."""
     def refused(url: str, **env: str) -> str:
         cmd = [sys.executable, "-m", "ddpipe.launch", *args_for(tmp_path, prepared, *ONE, f"paths.checkpoints={url}")]
+        empty_store = (tmp_path / "mlflow.db").read_bytes()  # conftest's migrated copy, not yet opened
         said = run(cmd, env={**CLONE_ENV, **object_store_env(store), **env}, check=False)
         assert said.returncode == 2 and "Traceback" not in said.stderr, said.stderr[-3000:]
         assert f"paths.checkpoints ({url}" in said.stderr, said.stderr
-        assert not (tmp_path / "model.pt").exists() and not (tmp_path / "mlflow.db").exists()
+        assert not (tmp_path / "model.pt").exists() and (tmp_path / "mlflow.db").read_bytes() == empty_store
         return said.stderr
 
     assert "refused the credentials" in refused("s3://ddpipe/ckpt", AWS_SECRET_ACCESS_KEY="not-the-secret")
