@@ -29,15 +29,27 @@ QUEUED = {"train.base_lr": "0.002", "num_epochs": "10", "train.batch_size_per_ra
 
 
 def _queue(clone: Path, name: str) -> None:
-    """Experiment ``name`` (:data:`QUEUED`) queued and the queue started. `dvc queue start` writes into a file, not a
-    pipe: the worker it starts keeps its caller's stdout open until the queue is empty, and reading a pipe to its end
-    would wait for the training."""
+    """Experiment ``name`` (:data:`QUEUED`) queued and the queue started, once the previous attempt's worker is gone
+    (:func:`_no_worker`). `dvc queue start` writes into a file, not a pipe: the worker it starts keeps its caller's
+    stdout open until the queue is empty, and reading a pipe to its end would wait for the training."""
+    _no_worker(clone)
     run(["dvc", "exp", "run", "--queue", "-n", name, *[a for k, v in QUEUED.items() for a in ("-S", f"{k}={v}")]],
         cwd=clone, env=CLONE_ENV)
     with open(clone.parent / f"start-{name}.log", "w") as log:
         started = subprocess.run(["dvc", "queue", "start"], cwd=clone, env=subprocess_env(CLONE_ENV), stdout=log,
                                  stderr=subprocess.STDOUT, timeout=300)
     assert started.returncode == 0, (clone.parent / f"start-{name}.log").read_text()
+
+
+def _no_worker(clone: Path, seconds: float = 60) -> None:
+    """No DVC queue worker left in ``clone``. A worker whose queue went empty (its experiment killed) shuts down a few
+    seconds later, and a task queued meanwhile can reach it and be dropped unrun: in CI at 6b4b39c, q3's task was
+    received by q2's leaving worker and q3 stayed Queued for 900 s (DVC's shutdown race, treeverse/dvc#10427)."""
+    deadline = time.time() + seconds
+    while "Worker status: 0 active, 0 idle" not in (said := run(["dvc", "queue", "status"], cwd=clone,
+                                                                  env=CLONE_ENV).stdout):
+        assert time.time() < deadline, f"a DVC queue worker still alive after {seconds:.0f} s:\n{said}"
+        time.sleep(1)
 
 
 def _step_checkpoint(clone: Path, epoch: int, seconds: float = 300) -> Path:
