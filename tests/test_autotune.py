@@ -199,6 +199,7 @@ def test_the_key_moves_with_everything_the_measurement_depends_on(tmp_path: Path
         "networks' code": edit("models/nets.py"),
         "network catalog's code": edit("models/catalog.py"),
         "timed step's code": edit("engine/timing.py"),
+        "timed step's optimizer": edit("engine/optimizer.py"),
         "torch": lambda: monkeypatch.setattr(torch, "__version__", "9.9.9"),
         "torchvision": lambda: monkeypatch.setattr(autotune, "_installed", lambda name: "9.9.9"),
         "oneDNN": lambda: monkeypatch.setattr(autotune, "onednn_version", lambda: "9.9"),

@@ -174,7 +174,7 @@ def test_a_torn_read_across_a_takeover_never_makes_the_new_lock_stale(store: tup
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """MLflow reads a registered model's row and its tags in two queries: a waiter's read across another's takeover
     paired the dead lock's hour-old stamp with the new lock's token, and it deleted the lock just taken (CI at
-    67d2383). Here another waiter takes the dead lock over right after this one's first read, and the next read comes
+    f2bafc4). Here another waiter takes the dead lock over right after this one's first read, and the next read comes
     back torn that way: this waiter keeps waiting and the new lock stays."""
     import copy
 

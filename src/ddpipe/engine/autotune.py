@@ -100,7 +100,7 @@ MAX_AGE_S = 30 * 24 * 3600  # a cached choice older than this is measured again 
 # The code a measurement ran (relative to the package): the networks, the candidates and the timed step, the loader
 # and transforms that feed it; an edit to any of them measures again
 CODE = ("models/nets.py", "models/catalog.py", "engine/autotune.py", "engine/timing.py", "engine/objective.py",
-        "core/devices.py", "data/loaders.py", "data/transforms.py", "data/augment.py")
+        "engine/optimizer.py", "core/devices.py", "data/loaders.py", "data/transforms.py", "data/augment.py")
 SOURCE = Path(__file__).resolve().parents[1]  # the package's directory, where CODE's files are read
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "avx_vnni", "fma")
 

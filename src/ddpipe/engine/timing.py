@@ -97,7 +97,7 @@ class LoaderFeed:
     the training split (its first epoch's views), taken in turn and again from the start when used up."""
 
     def __init__(self, data: TrainingData, tc: TrainConfig, device: torch.device, seed: int) -> None:
-        self.data, self.tc, self.train, self.device = data, tc, tc, device
+        self.data, self.train, self.device = data, tc, device
         n = data.meta.sizes["train"]
         self.order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
         self._objectives: dict[bool, Objective] = {}
@@ -135,7 +135,7 @@ class LoaderFeed:
     def _objective(self, channels_last: bool) -> Objective:
         if channels_last not in self._objectives:
             data = replace(self.data, transform=self.data.transform.in_layout(channels_last))
-            self._objectives[channels_last] = Objective(self.tc, data, self.device)
+            self._objectives[channels_last] = Objective(self.train, data, self.device)
         return self._objectives[channels_last]
 
     def close(self) -> None:

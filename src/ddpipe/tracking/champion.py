@@ -204,7 +204,7 @@ class _Claim(NamedTuple):
 def _claim(client: Any, name: str) -> _Claim | None:
     """The registered model ``name`` as a claim, None when there is none; read until two reads in a row agree. MLflow
     reads a model's row and its tags in two queries: one read can pair a deleted lock's stamp with its successor's
-    token (CI at 67d2383), and the next then shows the successor's own, later stamp, as tags are written with rows."""
+    token (CI at f2bafc4), and the next then shows the successor's own, later stamp, as tags are written with rows."""
     from mlflow.exceptions import MlflowException
 
     def read() -> _Claim | None:
