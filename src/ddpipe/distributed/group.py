@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpipe.config.schema import DistributedConfig
-from ddpipe.core.devices import cpu_count
+from ddpipe.core.devices import cpu_count, keep_freed_memory
 from ddpipe.core.ranks import DistInfo
 from ddpipe.distributed import host_sums
 
@@ -78,6 +78,7 @@ def init_distributed(cfg: DistributedConfig, backend: str) -> DistInfo:
         # (Other trainings on the host shrink it further while they run: ddpipe.distributed.host_leases.)
         sharing = _processes_on_this_host(local_world_size) if under_launcher else 1
         torch.set_num_threads(cfg.threads_per_process or max(1, cpu_count() // sharing))
+        keep_freed_memory()  # a step's tensors reuse the last step's memory: no fresh pages faulted in every step
     num_nodes = max(1, world_size // max(1, local_world_size))
     return DistInfo(distributed=under_launcher, rank=rank, local_rank=local_rank, world_size=world_size,
                     local_world_size=local_world_size, num_nodes=num_nodes, device=device,

@@ -66,6 +66,8 @@ from ddpipe.core.devices import (
     cpu_flags,
     cpu_quota_exact,
     cpu_supports_bf16,
+    give_back_freed_memory,
+    keep_freed_memory,
     physical_cores,
 )
 from ddpipe.core.environment import AUTO_CHOICE_ENV
@@ -247,11 +249,13 @@ def choose(ask: Ask, say: Any = None, feed: Callable[[], Feed] | None = None) ->
 def _measured(ask: Ask, key: str, feed: Callable[[], Feed] | None) -> tuple[Choice, float]:
     """:func:`measure` on ``feed``'s batches (made now, closed after), and its seconds, the feed's start included."""
     start = time.perf_counter()
+    keep_freed_memory()  # as the training's process will (ddpipe.distributed.group.init_distributed)
     source = feed() if feed is not None else SyntheticFeed(ask.channels, ask.classes, ask.side)
     try:
         choice = measure(ask, key, StepTimer(ask.model, ask.channels, ask.classes, source))
     finally:
         source.close()
+        give_back_freed_memory()  # the candidates' steps are over (the launcher holds little while it trains)
     return choice, time.perf_counter() - start
 
 

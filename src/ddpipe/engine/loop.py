@@ -31,7 +31,7 @@ from ddpipe.engine.checkpoint import Position
 from ddpipe.engine.ema import WeightAverage
 from ddpipe.engine.meters import EpochMeter, EpochProgress, EpochStats, final_metrics, measure_split
 from ddpipe.engine.optimizer import Diverged
-from ddpipe.engine.parts import TrainingParts, build_parts, wrap
+from ddpipe.engine.parts import TrainingParts, build_parts, in_ddp, wrap
 from ddpipe.engine.progress import make_progress
 from ddpipe.engine.pruning import after_divergence as search_trial_after_divergence
 from ddpipe.engine.pruning import after_stop as search_trial_after_stop
@@ -123,7 +123,7 @@ class Trainer:
 
     def _forward_backward(self, batch: tuple, epoch: int, meter: EpochMeter, sync: bool) -> None:
         x, labels, targets = self.objective.inputs(batch, epoch)
-        with contextlib.nullcontext() if sync or not self.info.distributed else self.model.no_sync():
+        with contextlib.nullcontext() if sync or not in_ddp(self.info) else self.model.no_sync():
             with self.compute.autocast():
                 logits = self.model(x)
                 loss = self.objective.loss(logits, labels, targets)

@@ -106,11 +106,19 @@ def placed_network(run: Resolved, info: DistInfo, compute: PrecisionPolicy) -> t
     return network, compute.place(network.module)
 
 
+def in_ddp(info: DistInfo) -> bool:
+    """Whether :func:`wrap` puts the module in DDP: under a process group of more than one process. One process
+    (torchrun of one rank too) has nothing to sum, and its weights are the same bits without DDP (its average over
+    one rank divides by 1); DDP's reducer cost that process 5% of its images/s (BENCHMARKS.md, "`auto` by
+    measuring")."""
+    return info.distributed and info.world_size > 1
+
+
 def wrap(module: nn.Module, info: DistInfo, compile_model: bool) -> nn.Module:
-    """DDP under a process group (its gradients summed as ``ddpipe.distributed`` sums), then torch.compile if
-    asked."""
+    """DDP under a process group of more than one process (:func:`in_ddp`; its gradients summed as
+    ``ddpipe.distributed`` sums), then torch.compile if asked."""
     model = module
-    if info.distributed:
+    if in_ddp(info):
         # CPUSyncBatchNorm (ExactBatchNorm too) updates its running statistics from sums every rank gets
         # bit for bit, so they never differ between ranks: DDP's broadcast of them from rank 0 before
         # every forward (a blocking gloo collective per step) would copy equal bits.
