@@ -95,9 +95,6 @@ def _quota_and_period(cgroup_root: str | Path) -> tuple[int, int] | None:
     return None
 
 
-# The instruction sets a process may be held to below what its CPU has: PyTorch's own kernels by ATEN_CPU_CAPABILITY
-# (torch.backends.cpu.get_cpu_capability() then says so), oneDNN's convolutions by ONEDNN_MAX_CPU_ISA (older name:
-# DNNL_MAX_CPU_ISA). Held to AVX2, an AMX Xeon computes as an AVX2-only CPU does, and `auto` must choose as on one.
 # glibc's allocator, held for a CPU training's steps (:func:`keep_freed_memory`): blocks up to this size come from
 # the heap (glibc's largest accepted threshold), and freed heap is returned to the system only above this much.
 HEAP_BLOCK_MAX = 32 << 20
@@ -124,11 +121,11 @@ def keep_freed_memory() -> bool:
     """Keep the memory a step frees for the next step, in this process (glibc's mallopt; where the C library is not
     glibc: nothing, False). By default glibc maps each block over a threshold anew and returns freed heap to the
     system, thresholds it moves as blocks come and go, so a step's tensors could fault in fresh zeroed pages every
-    step, or not, by the order they were freed in: the same training ran at 5,847-8,535 images/s from run to run,
-    375,000 page faults in 5 s in a slow one; held, at 8,050-8,850 (BENCHMARKS.md, "`auto` by measuring"). The
-    process's peak memory is the same; it gives back less of it between steps (:func:`give_back_freed_memory`).
-    Once per process, before its steps (a training's, ``auto``'s timed ones): the blocks already made stay as they
-    are."""
+    step, or not, by the order they were freed in: one config trained at 5,847-8,535 images/s from run to run, 375,000
+    page faults in 5 s in a slow run; held (and one process out of DDP), at 8,207-9,152 (BENCHMARKS.md, "`auto` by
+    measuring"). The process's peak memory is the same; it gives back less of it between steps
+    (:func:`give_back_freed_memory`). Once per process, before its steps (a training's, ``auto``'s timed ones): the
+    blocks already made stay as they are."""
     libc = _glibc()
     return libc is not None and bool(libc.mallopt(_M_MMAP_THRESHOLD, HEAP_BLOCK_MAX)) \
         and bool(libc.mallopt(_M_TRIM_THRESHOLD, HEAP_KEEP))
@@ -141,6 +138,9 @@ def give_back_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
+# The instruction sets a process may be held to below what its CPU has: PyTorch's own kernels by ATEN_CPU_CAPABILITY
+# (torch.backends.cpu.get_cpu_capability() then says so), oneDNN's convolutions by ONEDNN_MAX_CPU_ISA (older name:
+# DNNL_MAX_CPU_ISA). Held to AVX2, an AMX Xeon computes as an AVX2-only CPU does, and `auto` must choose as on one.
 ONEDNN_ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 ONEDNN_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
 
