@@ -87,8 +87,6 @@ def test_an_explicit_eval_batch_is_kept() -> None:
     assert resolve_run.eval_batch_size(load_config(["train.batch_size_per_rank=48"]).train, CPU, 28) == 96
 
 
-
-
 KEPT = """
 import ctypes, os, sys, torch
 from ddpipe.core.devices import give_back_freed_memory, keep_freed_memory

@@ -310,6 +310,12 @@ def _wrap_rank(rank: int, world: int) -> None:
     assert not synced.will_sync_module_buffers()  # equal bits on every rank (test_batchnorm): no broadcast
 
 
+def test_ddp_broadcasts_buffers_only_where_ranks_can_differ() -> None:
+    """DDP's broadcast of BatchNorm statistics before every forward (a blocking collective per step) is
+    skipped when every buffer belongs to a synchronised BatchNorm."""
+    spawn(_wrap_rank, 2)
+
+
 def test_one_process_under_torchrun_trains_its_module_without_ddp() -> None:
     """A process group of one rank has nothing to sum: the module trains bare (DDP's reducer cost it 5% of its
     images/s), its weights the same bits (DDP's average over one rank divides by 1; world-size-exact runs at 1 and
@@ -324,9 +330,3 @@ def test_one_process_under_torchrun_trains_its_module_without_ddp() -> None:
     plain = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4))
     assert wrap(plain, info, compile_model=False) is plain
     assert not in_ddp(info) and in_ddp(replace(info, world_size=2, local_world_size=2, processes_on_host=2))
-
-
-def test_ddp_broadcasts_buffers_only_where_ranks_can_differ() -> None:
-    """DDP's broadcast of BatchNorm statistics before every forward (a blocking collective per step) is
-    skipped when every buffer belongs to a synchronised BatchNorm."""
-    spawn(_wrap_rank, 2)
