@@ -32,6 +32,7 @@ from ddpipe.config.schema import Config, DistributedConfig
 from ddpipe.core.environment import LOG_LEVEL_ENV
 from ddpipe.core.logs import configure
 from ddpipe.core.processes import processes_in
+from ddpipe.engine.checkpoint import list_checkpoints
 from ddpipe.launch.torchrun import torchrun_command
 
 # The suite's own process computes with one thread, as the trainings and stages it starts do
@@ -447,14 +448,19 @@ def sleep_into_second_epoch(log: Callable[[], str], running: Callable[[], bool],
 
 def wait_for_step_checkpoint(directory: Path, epoch: int, step: int, running: Callable[[], bool],
                              seconds: float = 300) -> None:
-    """Until the checkpoint of ``step`` of ``epoch`` (counted from 1) is in ``directory``: a moment inside that
-    epoch however fast its steps are (a training with ``train.checkpoint_every_steps`` dividing ``step``),
-    for a stop signal to land at a later step of it. Polls every 10 ms."""
-    pattern = f"ckpt-*-e{epoch - 1:04d}-s{step:06d}.pt"
+    """Until a checkpoint of ``step`` of ``epoch`` (counted from 1) or of a later position is in ``directory``: a
+    moment inside that epoch or after it however fast its steps are (a training with ``train.checkpoint_every_steps``
+    dividing ``step``), for a stop signal to land at a later step. A later one counts: with ``train.keep_checkpoints``
+    the one of ``step`` may be pruned before a poll sees it, while the test ran something else. Polls every 10 ms."""
+    def reached() -> bool:
+        return directory.is_dir() and any((pos.epoch, pos.step) >= (epoch - 1, step)
+                                          for pos, _ in list_checkpoints(directory))
+
     deadline = time.time() + seconds
-    while not list(directory.glob(pattern)) and running() and time.time() < deadline:
+    while not reached() and running() and time.time() < deadline:
         time.sleep(0.01)
-    assert list(directory.glob(pattern)) and running(), f"no {pattern} in {directory} while the training ran"
+    assert reached() and running(), f"no checkpoint of epoch {epoch}, step {step} or later in {directory} while " \
+        "the training ran"
 
 
 def training_processes(marker: str) -> list[psutil.Process]:
