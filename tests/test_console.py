@@ -35,6 +35,17 @@ def test_each_subcommand_has_its_help(name: str) -> None:
     assert shown.returncode == 0 and "usage" in shown.stdout.lower(), shown.stdout + shown.stderr
 
 
+# Commands that start no training import no torch (a second of every start): the cluster's submit, wait and status on a
+# login node and its jobs' own process on a node, which run dvc exp run; config, outbox and sweeps (issue 72)
+NO_TORCH = ("ddpipe.config.__main__", "ddpipe.launch.cluster.submission", "ddpipe.launch.cluster.job",
+            "ddpipe.tracking.outbox", "ddpipe.tracking.sweeps")
+
+
+def test_the_commands_that_train_nothing_import_no_torch() -> None:
+    code = f"import importlib, sys\nfor m in {NO_TORCH!r}: importlib.import_module(m)\nprint('torch' in sys.modules)"
+    assert run([sys.executable, "-c", code], cwd=ROOT).stdout.strip() == "False"
+
+
 def test_python_dash_m_ddpipe_is_the_same_command_and_the_package_commands_still_answer() -> None:
     via_script = run(["ddpipe", "config", "num_epochs=3"], cwd=ROOT).stdout
     assert via_script == run([sys.executable, "-m", "ddpipe", "config", "num_epochs=3"], cwd=ROOT).stdout

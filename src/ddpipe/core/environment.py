@@ -4,6 +4,12 @@ Each is set by one part of ddpipe and read by another part, in a process started
 the level of the messages (:data:`LOG_LEVEL_ENV`).
 """
 
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
 # The claim's token on a training's directories (ddpipe.core.claims), passed by whoever took it to the processes that
 # join it: a launcher to its torchrun's workers.
 CLAIM_ENV = "DDPIPE_TRAINING_CLAIM"
@@ -39,8 +45,15 @@ REPO_ROOT_ENV = "DDPIPE_REPO_ROOT"
 # A search trial, set by the search's driver for the training it runs (JSON: storage, study, trial (number),
 # trial_id, metric, pruner, startup_trials, checkpoints (the trial's own directory, beside the experiment's
 # workspace), attempt (the driver's count), stage (the one stage a trial runs) and held_out (the evaluate and export
-# stages' tracked files, kept out of its experiment)); read by ddpipe.engine.pruning.
+# stages' tracked files, kept out of its experiment)); read by trial_spec (ddpipe.engine.pruning, a cluster job).
 TRIAL_ENV = "DDPIPE_SEARCH_TRIAL"
+
+
+def trial_spec() -> dict[str, Any] | None:
+    """The search's description of the trial this process trains (:data:`TRIAL_ENV`), or None outside a search."""
+    raw = os.environ.get(TRIAL_ENV)
+    return json.loads(raw) if raw else None
+
 
 # What `auto` became on this machine kind (JSON of ddpipe.engine.autotune.Choice), measured or read from its cache by
 # the launcher and handed to the workers it starts, which resolve their run with it.

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import os
 import warnings
 from pathlib import Path
 from typing import Any
 
-from ddpipe.core.environment import TRIAL_ENV
+from ddpipe.core.environment import trial_spec
 from ddpipe.core.exits import TrialPruned
 from ddpipe.core.ranks import DistInfo
 from ddpipe.distributed import group as dd
@@ -33,12 +32,6 @@ CONNECT_TIMEOUT_S = 10
 # The metrics a trial may be judged by: the epoch's own, as EpochStats logs them (the ema_ ones need train.ema_decay)
 EPOCH_METRICS = tuple(f.name for f in dataclasses.fields(EpochStats) if f.name != "epoch")
 EXPORTED = "exported"  # a trial's user attr: the epoch, weights (raw or ema) and value of the model it hands on
-
-
-def trial_spec() -> dict[str, Any] | None:
-    """The search's description of the trial this process trains, or None outside a search."""
-    raw = os.environ.get(TRIAL_ENV)
-    return json.loads(raw) if raw else None
 
 
 def trial_config(cfg: Any) -> Any:

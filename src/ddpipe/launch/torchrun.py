@@ -62,9 +62,6 @@ from ddpipe.tracking.access import check_access
 # PYTHONPATH names it: a search trial's, a cluster job's), never a file of a checkout
 WORKER_MODULE = "ddpipe.launch.worker"
 
-# The c10d rendezvous port of several-node jobs (torchrun's own default); a scheduler's job adds an offset from its
-# id so that jobs sharing a node do not collide (ddpipe.launch.cluster.slurm.rendezvous_endpoint).
-RDZV_PORT = 29400
 # What torchrun passes on to its workers (its default, plus SLURM's warning signal)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 

@@ -20,6 +20,11 @@ the DVC remote (``remote``: nodes that share nothing). The modules, one per conc
 - :mod:`ddpipe.launch.cluster.submission`: the command line.
 """
 
+# The c10d rendezvous port of several-node jobs (torchrun's own default); a scheduler's job adds an offset from its
+# id so that jobs sharing a node do not collide (ddpipe.launch.cluster.slurm.rendezvous_endpoint). Here, not beside
+# ddpipe.launch.torchrun's command: submitting and running a cluster job start no torch.
+RDZV_PORT = 29400
+
 
 class ClusterError(ValueError):
     """Something the user can fix before anything is submitted (no scheduler, an empty queue, resources the

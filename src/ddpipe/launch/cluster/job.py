@@ -34,10 +34,9 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from ddpipe.core.environment import CLUSTER_JOB_ENV, CLUSTER_LOG_ENV, NODES_ENV, REPO_ROOT_ENV
+from ddpipe.core.environment import CLUSTER_JOB_ENV, CLUSTER_LOG_ENV, NODES_ENV, REPO_ROOT_ENV, trial_spec
 from ddpipe.core.exits import EXIT_PREEMPTED, STOP_SIGNALS
 from ddpipe.core.logs import configure
-from ddpipe.engine.pruning import trial_spec
 from ddpipe.launch import workspace
 from ddpipe.launch.cluster import kubernetes, records, slurm
 from ddpipe.launch.cluster.queue import exp_ref

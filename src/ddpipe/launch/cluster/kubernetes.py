@@ -23,8 +23,7 @@ from pathlib import Path
 from ddpipe.config.schema import Config
 from ddpipe.core.environment import K8S_JOB_ENV
 from ddpipe.core.exits import EXIT_PREEMPTED, STOP_SIGNALS
-from ddpipe.launch.cluster import ClusterError
-from ddpipe.launch.torchrun import RDZV_PORT
+from ddpipe.launch.cluster import RDZV_PORT, ClusterError
 
 FORWARD = STOP_SIGNALS  # the kubelet signals PID 1 only: the driver passes stops on
 PORT = RDZV_PORT

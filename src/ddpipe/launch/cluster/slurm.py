@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddpipe.config.schema import Config
-from ddpipe.launch.cluster import ClusterError
-from ddpipe.launch.torchrun import RDZV_PORT
+from ddpipe.launch.cluster import RDZV_PORT, ClusterError
 
 FORWARD = (signal.SIGUSR1,)  # --signal=B:USR1 reaches the driver only; SLURM's stops (SIGTERM) reach every process
 COMMANDS = ("sbatch", "squeue", "scontrol", "scancel", "sinfo")
