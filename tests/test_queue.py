@@ -29,12 +29,14 @@ QUEUED = {"train.base_lr": "0.002", "num_epochs": "10", "train.batch_size_per_ra
 
 
 def _queue(clone: Path, name: str) -> None:
-    """Experiment ``name`` (:data:`QUEUED`) queued and the queue started, once the previous attempt's worker is gone
-    (:func:`_no_worker`). `dvc queue start` writes into a file, not a pipe: the worker it starts keeps its caller's
-    stdout open until the queue is empty, and reading a pipe to its end would wait for the training."""
+    """Experiment ``name`` (:data:`QUEUED`) queued, up to the train stage (what the test compares is the trained
+    weights: no evaluate and export, which the suite tests elsewhere), and the queue started, once the previous
+    attempt's worker is gone (:func:`_no_worker`). `dvc queue start` writes into a file, not a pipe: the worker it
+    starts keeps its caller's stdout open until the queue is empty, and reading a pipe to its end would wait for the
+    training."""
     _no_worker(clone)
-    run(["dvc", "exp", "run", "--queue", "-n", name, *[a for k, v in QUEUED.items() for a in ("-S", f"{k}={v}")]],
-        cwd=clone, env=CLONE_ENV)
+    run(["dvc", "exp", "run", "--queue", "-n", name, *[a for k, v in QUEUED.items() for a in ("-S", f"{k}={v}")],
+         "train"], cwd=clone, env=CLONE_ENV)
     with open(clone.parent / f"start-{name}.log", "w") as log:
         started = subprocess.run(["dvc", "queue", "start"], cwd=clone, env=subprocess_env(CLONE_ENV), stdout=log,
                                  stderr=subprocess.STDOUT, timeout=300)
@@ -78,7 +80,7 @@ def _kill(clone: Path, name: str, force: bool, seconds: float = 30) -> None:
 
 def _status(clone: Path, name: str, seconds: float = 900) -> str:
     """The queue's word for experiment ``name`` (Queued, Running, Success, Failed), once it has one of the last two
-    (the third attempt trains 7 epochs, evaluates and exports: minutes on a busy host), at most ``seconds``."""
+    (the third attempt trains 7 epochs: a minute on a busy host), at most ``seconds``."""
     deadline, said = time.time() + seconds, ""
     while time.time() < deadline:
         rows = [line for line in run(["dvc", "queue", "status"], cwd=clone, env=CLONE_ENV).stdout.splitlines()
@@ -152,7 +154,7 @@ def test_queued_experiments_differing_only_in_their_sweep_or_model_epoch_are_run
     for name, sweep in experiments.items():
         last = ["-S", "train.model_epoch=last"] if name == "side-last" else []
         run(["dvc", "exp", "run", "--queue", "-n", name, "-S", "seed=7", "-S", "num_epochs=1", "-S",
-             f"mlflow.sweep={sweep}", *last], cwd=clone, env=CLONE_ENV)
+             f"mlflow.sweep={sweep}", *last, "train"], cwd=clone, env=CLONE_ENV)  # the runs are the training's
     with open(clone.parent / "start.log", "w") as log:
         started = subprocess.run(["dvc", "queue", "start", "-j", "1"], cwd=clone, env=subprocess_env(CLONE_ENV),
                                  stdout=log, stderr=subprocess.STDOUT, timeout=300)

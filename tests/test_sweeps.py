@@ -68,7 +68,7 @@ def test_a_queued_grid_is_one_parent_with_its_children_and_a_summary(repro_clone
     `ddpipe sweeps grid` prints and logs mean ± std per learning rate."""
     clone, env = repro_clone, CLONE_ENV
     run(["dvc", "exp", "run", "--queue", "-S", "mlflow.sweep=grid", "-S", "train.base_lr=0.001,0.003",
-         "-S", "seed=1,2"], cwd=clone, env=env)
+         "-S", "seed=1,2", "evaluate"], cwd=clone, env=env)  # up to the test metrics the summary reads: no export
     # Into a file, not a pipe: the process that starts each worker keeps the caller's stdout and stderr
     # open until its worker exits (once the queue is empty), so reading a pipe to its end would wait
     # for all four trainings instead of polling them below.
