@@ -125,18 +125,23 @@ def stop(directory: Path) -> None:
         print(f"no object store of {directory} runs")
 
 
-def dvc(repo: Path, *args: str) -> None:
-    subprocess.run(["dvc", *args], cwd=repo, check=True, capture_output=True, text=True)
-
-
 def dvc_remote(repo: Path, directory: Path, remote: str) -> None:
-    """The local server's endpoint and keys for ``remote`` into ``repo``'s .dvc/config.local (never in git)."""
+    """The local server's endpoint and keys for ``remote`` into ``repo``'s .dvc/config.local (never in git), as
+    ``dvc remote modify --local`` writes them, through DVC's own config (checked against its schema): the secret never
+    stands on a command line, where any process of the host reads it and a secret starting with "-" reads as an
+    option."""
+    from dvc.config import Config
+
     running, keys = state(directory.resolve()), credentials(directory.resolve())
     if not running:
         raise StoreError(f"no object store was started in {directory} (python deploy/object_store.py start)")
-    for key, value in (("endpointurl", running["endpoint"]), ("access_key_id", keys["access_key_id"]),
-                       ("secret_access_key", keys["secret_access_key"])):
-        dvc(repo, "remote", "modify", "--local", remote, key, value)
+    config = Config(dvc_dir=str(Path(repo) / ".dvc"))
+    if remote not in config["remote"]:
+        raise StoreError(f"{repo} has no DVC remote {remote!r} (dvc remote add {remote} s3://BUCKET/PATH)")
+    with config.edit("local") as local:
+        local.setdefault("remote", {}).setdefault(remote, {}).update(
+            endpointurl=running["endpoint"], access_key_id=keys["access_key_id"],
+            secret_access_key=keys["secret_access_key"])
     print(f"DVC remote {remote!r} of {repo}: {running['endpoint']} (.dvc/config.local)")
 
 

@@ -86,3 +86,25 @@ def test_a_store_that_is_down_a_wrong_key_or_no_bucket_is_named_before_anything_
     down = f"http://127.0.0.1:{state(store)['endpoint'].rsplit(':', 1)[1]}".replace("127.0.0.1", "127.0.0.2")
     run(["dvc", "remote", "modify", "--local", "store", "endpointurl", down], cwd=repro_clone)
     assert "the store does not answer" in checked()
+
+
+def test_keys_go_into_config_local_off_the_command_line_even_a_secret_that_starts_with_a_dash(tmp_path: Path) -> None:
+    """`dvc-remote` writes through DVC's config, not `dvc remote modify`: CI at c4db7ad drew a secret starting with
+    "--", which DVC's command line took for an option (and its error printed the secret). A remote the repo lacks is
+    named."""
+    repo, store = tmp_path / "repo", tmp_path / "store"
+    repo.mkdir()
+    store.mkdir()
+    run(["git", "init", "-q"], cwd=repo, env=GIT_ENV)
+    run(["dvc", "init", "-q"], cwd=repo, env=CLONE_ENV)
+    run(["dvc", "remote", "add", "-d", "store", "s3://bucket/path"], cwd=repo, env=CLONE_ENV)
+    (store / "server.json").write_text(json.dumps({"endpoint": "http://127.0.0.1:9"}))
+    (store / "credentials.json").write_text(json.dumps({"access_key_id": "ddpipe0", "secret_access_key": "--x-y"}))
+    _remote(repo, store)
+    local = (repo / ".dvc" / "config.local").read_text()
+    assert "secret_access_key = --x-y" in local and "endpointurl = http://127.0.0.1:9" in local, local
+    assert "--x-y" not in (repo / ".dvc" / "config").read_text()
+    wrong = run(["python", SCRIPT, "dvc-remote", "--dir", str(store), "--repo", str(repo), "--remote", "nope"],
+                cwd=repo, env=CLONE_ENV, check=False)
+    assert wrong.returncode == 2 and "no DVC remote 'nope'" in wrong.stderr, wrong.stderr
+    assert "--x-y" not in wrong.stdout + wrong.stderr
