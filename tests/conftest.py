@@ -453,8 +453,7 @@ def wait_for_step_checkpoint(directory: Path, epoch: int, step: int, running: Ca
     dividing ``step``), for a stop signal to land at a later step. A later one counts: with ``train.keep_checkpoints``
     the one of ``step`` may be pruned before a poll sees it, while the test ran something else. Polls every 10 ms."""
     def reached() -> bool:
-        return directory.is_dir() and any((pos.epoch, pos.step) >= (epoch - 1, step)
-                                          for pos, _ in list_checkpoints(directory))
+        return any((pos.epoch, pos.step) >= (epoch - 1, step) for pos, _ in list_checkpoints(directory))
 
     deadline = time.time() + seconds
     while not reached() and running() and time.time() < deadline:
