@@ -124,15 +124,23 @@ def test_two_nodes_sharing_no_disk_stop_and_resume_from_the_store_bit_equal(
 
 class CuttingProxy:
     """A TCP proxy in front of the store that, on the first upload (PUT) of a key holding ``cut_at``, forwards its
-    headers and half its body, then calls ``cut()`` (which kills the store), drops every connection and stops
-    listening: to the training, the store died in the middle of that upload."""
+    headers and half its body (none of it with ``half=False``), then calls ``cut()`` (which kills the store), drops
+    every connection and stops listening: to the training, the store died in the middle of that upload (or as it
+    began). It acts inside the upload, so however fast the training runs, nothing after it has happened yet;
+    :meth:`reopen` listens on the same port again (the store back)."""
 
-    def __init__(self, target: int, cut_at: bytes, cut: Callable[[], None]) -> None:
-        self.target, self.cut_at, self.cut = target, cut_at, cut
+    def __init__(self, target: int, cut_at: bytes, cut: Callable[[], None], half: bool = True) -> None:
+        self.target, self.cut_at, self.cut, self.half = target, cut_at, cut, half
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.conns: list[socket.socket] = []
         self.done = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def reopen(self) -> None:
+        """Forward again, on the same port, every request (the cut made once)."""
+        self.listener = socket.create_server(("127.0.0.1", self.port))
+        self.cut_at, self.done = b"\0", threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -177,6 +185,9 @@ class CuttingProxy:
                     length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
                     body_left = int(length[1]) if length else 0
                     cutting = head.startswith(b"PUT ") and self.cut_at in head.split(b"\r\n", 1)[0]
+                    if cutting and not self.half:
+                        self._cut()
+                        return
                     upstream.sendall(head)
         except OSError:
             pass
@@ -257,32 +268,48 @@ OUTAGE_S = 60
 def test_a_store_away_for_a_minute_in_mid_training_is_a_pause_and_the_run_ends_as_if_never_stopped(
         tmp_path: Path, prepared: Path, uninterrupted: dict[str, torch.Tensor],
         tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The store (one of its own) is SIGKILLed once the first checkpoint of epoch 2 is in it, and started again on its
-    data and port a minute later. Meanwhile the training goes on to its end, saying once that the store is away and its
-    checkpoints are skipped, then waits for the store to take its last one; the store back, it says so, writes it and
-    ends 0 with the weights of the run straight through. The store holds the checkpoints written before the outage
-    and the last one, each whole, and none of those the outage skipped."""
+    """The store (one of its own) is SIGKILLed once the first checkpoint of epoch 2 is in it, as the second begins to
+    go up (a proxy in front of it does it then: a test polling the store could see the first too late on a fast or
+    busy host, after the training had ended), and started again on its data and port a minute later. Meanwhile the
+    training goes on to its end, saying once that the store is away and its checkpoints are skipped, then waits for
+    the store to take its last one; the store back, it says so, writes it and ends 0 with the weights of the run
+    straight through. The store holds the checkpoints written before the outage and the last one, each whole, and
+    none of those the outage skipped."""
     from deploy.object_store import start, state
 
     own = start_object_store(tmp_path_factory.mktemp("away-store"))
     served = state(own)
     port = int(served["endpoint"].rsplit(":", 1)[1])
     url = f"s3://ddpipe/checkpoints/{tmp_path.name}"
+    before: set[str] = set()
+
+    def outage() -> None:  # what the store held, then the store gone
+        before.update(n for n in _names(own, url) if n.startswith("ckpt-"))
+        os.killpg(served["pid"], signal.SIGKILL)
+        gone.set()
+
+    gone = threading.Event()
+
+    proxy = CuttingProxy(port, b"-e0001-s000008", outage, half=False)
     cmd = [sys.executable, "-m", "ddpipe.launch", *args_for(tmp_path, prepared, *ONE, f"paths.checkpoints={url}")]
     with open(tmp_path / "log.txt", "w") as log:
-        training = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env({**CLONE_ENV, **object_store_env(own)}),
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env = subprocess_env({**CLONE_ENV, **object_store_env(own, proxy.port)})
+        training = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
     try:
-        _wait_for(own, url, "-e0001-", lambda: training.poll() is None)
-        before = {n for n in _names(own, url) if n.startswith("ckpt-")}
-        os.killpg(served["pid"], signal.SIGKILL)
+        deadline = time.time() + 300
+        while not gone.wait(0.05) and training.poll() is None and time.time() < deadline:
+            pass
+        assert gone.is_set() and any("-e0001-s000004" in n for n in before), \
+            (before, (tmp_path / "log.txt").read_text()[-4000:])
         time.sleep(OUTAGE_S)
         assert training.poll() is None, (tmp_path / "log.txt").read_text()[-4000:]  # waiting for the store
         start(own, port, "ddpipe")  # the store again, on its data and port
+        proxy.reopen()
         code = training.wait(timeout=300)
         said = (tmp_path / "log.txt").read_text()
         assert code == 0, said[-4000:]
-        store_words = f"the store of paths.checkpoints ({url}, endpoint {served['endpoint']})"
+        store_words = f"the store of paths.checkpoints ({url}, endpoint http://127.0.0.1:{proxy.port})"
         order = [said.find(f"{store_words} is away since"), said.find("epoch 3/3:"),
                  said.find("waiting for it to take the checkpoint after epoch 3"),
                  said.find(f"{store_words} is back after")]

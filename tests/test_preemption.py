@@ -365,7 +365,7 @@ def test_sigkill_to_dvc_repro_leaves_a_step_checkpoint_and_the_next_repro_resume
     stops = set(STOPPED.findall(text))
     assert len(stops) == 1, f"not one stop at a step: {stops}\n{text[-3000:]}"
     (sig, epoch, step), = stops
-    # after epoch 1's step 2: in epoch 1, or in epoch 2 when the workers' poll of their launcher (every 0.5 s) came
+    # after epoch 1's step 2: in epoch 1, or in epoch 2 when the workers' poll of their launcher (every 0.1 s) came
     # after epoch 1's last step or in its validation (16 steps take under a second on a fast host); the resume below
     # from exactly that step, bit-equal, is what matters
     assert sig == "SIGTERM" and (int(epoch), int(step)) >= (1, 2) and epoch in ("1", "2"), text[-3000:]
@@ -414,7 +414,7 @@ def test_sigkill_to_one_node_of_two_stops_every_rank_at_one_step_and_both_nodes_
     text = "".join(log.read_text() for log in logs)
     (sig, epoch, step), = set(STOPPED.findall(text))  # both ranks, on both nodes, stopped at one step
     # in epoch 2 after its step 2, or in epoch 3 when the killed node's worker noticed its dead launcher (a poll every
-    # 0.5 s) after epoch 2's last step or in its validation, as on a host busy with another test
+    # 0.1 s) after epoch 2's last step or in its validation, as on a host busy with another test
     assert sig == "SIGTERM" and (int(epoch), int(step)) >= (2, 2) and epoch in ("2", "3"), text[-4000:]
     # rank 0's line, and the other node's at the same step unless its agent, which lost the c10d store with the
     # killed node, ended it first (on a busy host); the resume from that step below, bit-equal, is the check
