@@ -501,7 +501,7 @@ def prune_a_two_process_trial(tmp: Path, prepared: Path, storage: str, study_nam
     import optuna
 
     from ddpipe.core.environment import TRIAL_ENV
-    from ddpipe.engine.pruning import make_pruner, open_storage
+    from ddpipe.core.trials import make_pruner, open_storage
 
     study = optuna.create_study(study_name=study_name, storage=open_storage(storage), direction="maximize",
                                 pruner=make_pruner("median", 1))

@@ -222,7 +222,8 @@ def test_a_checkpoint_written_before_format_versions_resumes_as_it_did(tmp_path:
     columns in the history, the epoch's sums as a float64 tensor); before the world size was recorded; before
     mid-epoch checkpoints recorded the epoch's sums. Each resumes with what it meant."""
     from ddpipe.config.schema import TrainConfig
-    from ddpipe.engine.meters import EpochProgress, EpochStats
+    from ddpipe.core.history import EpochStats
+    from ddpipe.engine.meters import EpochProgress
     from ddpipe.engine.selection import ModelSelection
 
     torch.manual_seed(5)

@@ -36,9 +36,11 @@ def test_each_subcommand_has_its_help(name: str) -> None:
 
 
 # Commands that start no training import no torch (a second of every start): the cluster's submit, wait and status on a
-# login node and its jobs' own process on a node, which run dvc exp run; config, outbox and sweeps (issue 72)
+# login node and its jobs' own process on a node, which run dvc exp run; config, outbox and sweeps; a search's driver
+# and its status, best and remove, whose trials are dvc exp runs (issue 72)
 NO_TORCH = ("ddpipe.config.__main__", "ddpipe.launch.cluster.submission", "ddpipe.launch.cluster.job",
-            "ddpipe.tracking.outbox", "ddpipe.tracking.sweeps")
+            "ddpipe.tracking.outbox", "ddpipe.tracking.sweeps", "ddpipe.search.__main__", "ddpipe.search.driver",
+            "ddpipe.search.report", "ddpipe.search.experiments")
 
 
 def test_the_commands_that_train_nothing_import_no_torch() -> None:

@@ -209,7 +209,7 @@ def test_a_loss_gone_to_inf_stops_every_rank_at_one_step_and_keeps_the_last_good
     from mlflow import MlflowClient
 
     from ddpipe.core.environment import TRIAL_ENV
-    from ddpipe.engine.pruning import open_storage
+    from ddpipe.core.trials import open_storage
 
     journal = str(tmp_path / "study.journal")
     study = optuna.create_study(study_name="cliff", storage=open_storage(journal), direction="maximize")

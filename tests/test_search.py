@@ -148,11 +148,11 @@ def test_a_database_that_hangs_fails_in_seconds_naming_the_storage(tmp_path: Pat
     import socket
     import time
 
-    from ddpipe.engine import pruning
+    from ddpipe.core import trials
     from ddpipe.search.study_commands import main
 
     monkeypatch.setenv(REPO_ROOT_ENV, str(tmp_path))
-    monkeypatch.setattr(pruning, "CONNECT_TIMEOUT_S", 2)
+    monkeypatch.setattr(trials, "CONNECT_TIMEOUT_S", 2)
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(4)  # the kernel completes the handshake; nobody ever reads or writes
@@ -494,7 +494,7 @@ def _study_with_experiments(repo: Path) -> None:
     import optuna
     from optuna.trial import TrialState, create_trial
 
-    from ddpipe.engine.pruning import open_storage
+    from ddpipe.core.trials import open_storage
 
     params = yaml.safe_load(PARAMS.read_text())
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))

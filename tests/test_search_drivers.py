@@ -26,7 +26,7 @@ FAKE_TRAINING = """
 import json, math, os
 import optuna
 from ddpipe.core.environment import TRIAL_ENV
-from ddpipe.engine.pruning import open_storage
+from ddpipe.core.trials import open_storage
 spec = json.loads(os.environ[TRIAL_ENV])
 study = optuna.load_study(study_name=spec["study"], storage=open_storage(spec["storage"]))
 trial = optuna.trial.Trial(study, spec["trial_id"])
@@ -401,7 +401,7 @@ def test_a_trial_trains_only_registers_nothing_and_carries_no_test_figures(tmp_p
 FAKE_EPOCHS = """
 import json, math, os, sys
 from ddpipe.core.ranks import DistInfo
-from ddpipe.engine.meters import EpochStats
+from ddpipe.core.history import EpochStats
 from ddpipe.core.environment import TRIAL_ENV
 from ddpipe.engine.pruning import SearchTrial, after_training, validation_number
 spec = json.loads(os.environ[TRIAL_ENV])

@@ -64,16 +64,17 @@ def test_a_trials_value_is_the_figure_of_the_model_it_exports(tmp_path: Path, mo
     weights), which the driver tells: never its best epoch's when they differ (val_loss, model_epoch last, ema)."""
     import optuna
 
+    from ddpipe.core import trials
     from ddpipe.core.environment import TRIAL_ENV
+    from ddpipe.core.history import EpochStats
     from ddpipe.core.ranks import DistInfo
     from ddpipe.engine import pruning
-    from ddpipe.engine.meters import EpochStats
 
     history = [EpochStats(epoch=e, train_loss=1.0, train_accuracy=0.5, val_loss=loss, val_accuracy=acc, lr=0.1,
                           images_per_s=1.0, epoch_seconds=1.0, ema_val_loss=loss, ema_val_accuracy=acc + 0.05)
                for e, (loss, acc) in enumerate([(0.60, 0.60), (0.50, 0.80), (0.40, 0.70)], start=1)]
     storage = str(tmp_path / "study.journal")
-    study = optuna.create_study(study_name="v", storage=pruning.open_storage(storage))
+    study = optuna.create_study(study_name="v", storage=trials.open_storage(storage))
     trial = study.ask()
     monkeypatch.setenv(TRIAL_ENV, json.dumps({"storage": storage, "study": "v", "trial": 0,
                                               "trial_id": trial._trial_id, "metric": metric, "pruner": "none",
@@ -82,7 +83,7 @@ def test_a_trials_value_is_the_figure_of_the_model_it_exports(tmp_path: Path, mo
     epoch = 2 if model_epoch == "best" else 3
     pruning.after_training(DistInfo(), history, epoch, "ema" if averaged else "raw")
     frozen = study.trials[0]
-    assert pruning.trial_value(frozen) == pytest.approx(expected)
+    assert trials.trial_value(frozen) == pytest.approx(expected)
     assert frozen.user_attrs["exported"]["epoch"] == epoch
 
 

@@ -339,7 +339,7 @@ def test_a_wrong_search_database_password_fails_before_anything_is_made(
         server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """PGPASSWORD wrong: a ConfigError naming search.storage, its URL without the user or any password, why, and what
     is accepted; the command exits 2 with it before any trial, and neither a folder nor a study is made."""
-    from ddpipe.engine.pruning import open_storage
+    from ddpipe.core.trials import open_storage
     from ddpipe.search.study import open_study
     from ddpipe.search.study_commands import main
 

@@ -7,31 +7,22 @@ pruner's steps are validations counted from 1 over the run (:func:`validation_nu
 The training learns its trial from :data:`TRIAL_ENV`, which ``ddpipe search run`` sets for the
 ``dvc exp run`` of each trial (DVC passes its environment to the stage's command, torchrun to every worker). Without
 it a training is no trial and this module does nothing: the experiment is the same as any other. The study's storage
-and pruner are opened here, the one place both the search's driver and the training build them.
+and pruner come from ``ddpipe.core.trials``, which the search's driver shares.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import warnings
-from pathlib import Path
 from typing import Any
 
 from ddpipe.core.environment import trial_spec
 from ddpipe.core.exits import TrialPruned
+from ddpipe.core.history import EpochStats
 from ddpipe.core.ranks import DistInfo
+from ddpipe.core.trials import EXPORTED, make_pruner, open_storage
 from ddpipe.distributed import group as dd
-from ddpipe.engine.meters import EpochStats
-
-# A study's database that hangs (a firewall dropping packets, a server stuck): the driver says so naming
-# search.storage, and a training's rank 0 fails with the error instead of every rank waiting out the collective
-# timeout (issue 47)
-CONNECT_TIMEOUT_S = 10
-# The metrics a trial may be judged by: the epoch's own, as EpochStats logs them (the ema_ ones need train.ema_decay)
-EPOCH_METRICS = tuple(f.name for f in dataclasses.fields(EpochStats) if f.name != "epoch")
-EXPORTED = "exported"  # a trial's user attr: the epoch, weights (raw or ema) and value of the model it hands on
 
 
 def trial_config(cfg: Any) -> Any:
@@ -50,36 +41,6 @@ def trial_config(cfg: Any) -> Any:
     if not spec.get("checkpoints"):
         return cfg
     return dataclasses.replace(cfg, paths=dataclasses.replace(cfg.paths, checkpoints=spec["checkpoints"]))
-
-
-def open_storage(where: str, **rdb_options: Any) -> Any:
-    """The study's Optuna storage: a database URL (``RDBStorage``, with ``rdb_options`` such as heartbeats) or the
-    path of a journal file (``JournalStorage``, which several processes on this host share through a lock file). A
-    database server that accepts the connection and never answers fails after :data:`CONNECT_TIMEOUT_S`."""
-    import optuna
-
-    if "://" in where:
-        # SQLAlchemy before 2.1 opens postgresql:// with psycopg2, which ddpipe does not install; psycopg 3 is what its
-        # server extra installs and MLflow's server uses (postgresql+psycopg://), so a plain URL goes through it
-        if where.startswith("postgresql://") and importlib.util.find_spec("psycopg2") is None:
-            where = "postgresql+psycopg://" + where.removeprefix("postgresql://")
-        if where.split("+")[0].split(":")[0] in ("postgresql", "mysql"):
-            rdb_options["engine_kwargs"] = {"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}}
-        return optuna.storages.RDBStorage(where, **rdb_options)
-    Path(where).parent.mkdir(parents=True, exist_ok=True)
-    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(where))
-
-
-def make_pruner(name: str, startup_trials: int) -> Any:
-    """Optuna's pruner by the name ``search.pruner`` gives it; its steps are validations (:func:`validation_number`),
-    counted from 1."""
-    import optuna
-
-    if name == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=startup_trials, n_warmup_steps=0)
-    if name == "hyperband":
-        return optuna.pruners.HyperbandPruner(min_resource=1, max_resource="auto")
-    return optuna.pruners.NopPruner()
 
 
 class SearchTrial:
@@ -174,20 +135,6 @@ def after_validation(values: dict[str, Any], at: Validation, tracker: Any, info:
         raise TrialPruned(trial.spec["study"], int(trial.spec["trial"]), at.epoch, at.num_epochs, why, at.step)
 
 
-def epoch_values(frozen: Any) -> list[float]:
-    """A trial's (an Optuna FrozenTrial's) reported values at its epochs' ends (a validation inside an epoch reports
-    to the pruner only)."""
-    per_epoch = int(frozen.user_attrs.get("validations_per_epoch", 1))
-    return [value for number, value in sorted(frozen.intermediate_values.items()) if number % per_epoch == 0]
-
-
-def trial_value(frozen: Any) -> float | None:
-    """A trial's value: the metric of the model it would hand on (:func:`after_training` recorded it: the exported
-    epoch's, of the exported weights), not its best epoch's; None when its training did not finish."""
-    exported = frozen.user_attrs.get(EXPORTED)
-    return None if exported is None or exported.get("value") is None else float(exported["value"])
-
-
 def after_training(info: DistInfo, history: list[EpochStats], epoch: int, source: str) -> None:
     """A finished trial's training, on rank 0: tell the study the value of the model it hands on (epoch ``epoch``'s
     weights, raw or ``ema``: ``EpochStats.of_weights``), which the driver tells as the trial's value, so that the
@@ -202,12 +149,6 @@ def after_training(info: DistInfo, history: list[EpochStats], epoch: int, source
     except Exception as exc:
         warnings.warn(f"search trial: could not tell the study its model's value ({type(exc).__name__}: {exc})",
                       RuntimeWarning, stacklevel=2)
-
-
-def pruned_at(attrs: dict[str, Any]) -> str:
-    """Where a pruned trial stopped, from its user attrs: "epoch 2" (after it), or "step 40 of epoch 1"."""
-    epoch, step = attrs["pruned_epoch"], attrs.get("pruned_step")
-    return f"step {step} of epoch {epoch}" if step else f"epoch {epoch}"
 
 
 def after_divergence(info: DistInfo, epoch: int, step: int, why: str) -> None:

@@ -22,13 +22,13 @@ from ddpipe.config.schema import Config
 from ddpipe.core.claims import Claim
 from ddpipe.core.environment import CLAIM_ENV
 from ddpipe.core.files import atomic_write_json, atomic_write_text
+from ddpipe.core.history import EpochStats
 from ddpipe.core.metric_names import MODEL_VAL_ACCURACY
 from ddpipe.core.objectstore import StoreFolder, is_store_url
 from ddpipe.core.ranks import DistInfo
 from ddpipe.core.store_lease import StoreLease
 from ddpipe.data.store import Prepared
 from ddpipe.engine.checkpoint import checkpoint_folder, fingerprint
-from ddpipe.engine.meters import EpochStats
 from ddpipe.engine.resolved import Resolved
 from ddpipe.models.saved import save_model
 from ddpipe.tracking.outbox import outbox_root, write_run_info

@@ -44,7 +44,7 @@ from ddpipe.core.errors import one_line
 from ddpipe.core.exits import pruned_where
 from ddpipe.core.logs import say_to
 from ddpipe.core.processes import working_in
-from ddpipe.engine.pruning import EXPORTED, trial_value
+from ddpipe.core.trials import EXPORTED, trial_value
 from ddpipe.launch import workspace
 from ddpipe.launch.cluster.queue import exp_ref
 from ddpipe.search import study as studies

@@ -10,7 +10,7 @@ from typing import Any
 from ddpipe.config.schema import Config
 from ddpipe.core.errors import one_line
 from ddpipe.core.metric_names import TEST_ACCURACY
-from ddpipe.engine.pruning import EXPORTED, pruned_at
+from ddpipe.core.trials import EXPORTED, pruned_at
 from ddpipe.search.experiments import REMOVED, TESTED
 from ddpipe.search.study import SearchError
 from ddpipe.tracking.run_store import bound_http_requests, experiment_id, open_client, sweep_parent, tracking_uri

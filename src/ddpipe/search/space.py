@@ -19,7 +19,7 @@ from ddpipe.config.load import load_config
 from ddpipe.config.rules import not_accepted
 from ddpipe.config.schema import Config, ConfigError
 from ddpipe.config.search import STUDY_NAME, SearchConfig
-from ddpipe.engine.pruning import EPOCH_METRICS
+from ddpipe.core.history import EPOCH_METRICS
 
 KINDS = ("loguniform", "uniform", "int", "choice")
 ACCEPTED = "loguniform(low, high) with 0 < low < high, uniform(low, high) or int(low, high) with low < high, or " \

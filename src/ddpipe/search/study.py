@@ -16,7 +16,7 @@ from typing import Any
 from ddpipe.config.schema import ConfigError
 from ddpipe.core.errors import one_line
 from ddpipe.core.processes import alive, named_host_lock, start_time
-from ddpipe.engine.pruning import make_pruner, open_storage
+from ddpipe.core.trials import make_pruner, open_storage
 from ddpipe.launch.cluster.queue import git
 from ddpipe.search.space import Plan
 from ddpipe.tracking.run_store import redact
