@@ -35,8 +35,8 @@ def open_storage(where: str, **rdb_options: Any) -> Any:
 
 
 def make_pruner(name: str, startup_trials: int) -> Any:
-    """Optuna's pruner by the name ``search.pruner`` gives it; its steps are validations (:func:`validation_number`),
-    counted from 1."""
+    """Optuna's pruner by the name ``search.pruner`` gives it; its steps are validations, counted from 1
+    (``ddpipe.engine.pruning.validation_number``)."""
     import optuna
 
     if name == "median":
@@ -44,13 +44,6 @@ def make_pruner(name: str, startup_trials: int) -> Any:
     if name == "hyperband":
         return optuna.pruners.HyperbandPruner(min_resource=1, max_resource="auto")
     return optuna.pruners.NopPruner()
-
-
-def epoch_values(frozen: Any) -> list[float]:
-    """A trial's (an Optuna FrozenTrial's) reported values at its epochs' ends (a validation inside an epoch reports
-    to the pruner only)."""
-    per_epoch = int(frozen.user_attrs.get("validations_per_epoch", 1))
-    return [value for number, value in sorted(frozen.intermediate_values.items()) if number % per_epoch == 0]
 
 
 def trial_value(frozen: Any) -> float | None:
