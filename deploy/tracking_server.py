@@ -26,6 +26,8 @@
   DVC remote's ``s3://ddpipe/dvc``) is checked before the server starts (it answers, takes the keys, holds the
   bucket: else an error naming it), its endpoint and keys from the environment or else from the DVC remote on the
   same bucket in this repository (``make remote`` wrote them), handed to the server in its environment only;
+  without MLflow's job runner (:data:`NO_JOB_RUNNER`: no ddpipe run asks it for anything), ``--workers`` processes
+  answering requests (MLflow's default: 4);
 - the admin user, created by MLflow on the first start from ``MLFLOW_AUTH_ADMIN_PASSWORD`` (or the file).
 
 The store's password reaches ``mlflow server`` in its environment (``MLFLOW_BACKEND_STORE_URI``) and the auth
@@ -290,11 +292,18 @@ def write_auth_config(directory: Path, database_uri: str, admin: str) -> Path:
     return path
 
 
+# What ddpipe's runs never ask of a tracking server: MLflow's job runner (GenAI scorers, trace roll-ups), 8 processes
+# more, each importing MLflow. An idle server (sqlite store, 4 workers) from its start to 15 s after it answers,
+# measured: 31-35 s of CPU and 2,359 MiB PSS with it, 13 s and 981 MiB without (BENCHMARKS.md, "Tracking"). Where the
+# operator's environment sets the variable, theirs wins.
+NO_JOB_RUNNER = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
 def server_command(args: argparse.Namespace, artifacts: str) -> list[str]:
     mlflow = Path(sys.executable).with_name("mlflow")
     return [str(mlflow) if mlflow.is_file() else "mlflow", "server", "--app-name", "basic-auth",
             "--host", args.host, "--port", str(args.port), "--artifacts-destination", artifacts,
-            "--allowed-hosts", args.allowed_hosts or "*"]
+            "--allowed-hosts", args.allowed_hosts or "*", *(["--workers", str(args.workers)] if args.workers else [])]
 
 
 def artifact_store_env(artifacts: str) -> dict[str, str]:
@@ -338,7 +347,8 @@ def start(args: argparse.Namespace) -> None:
         prefix = start_postgres(directory, args.pg_port, args.pg_listen, args.pg_clients)
         print(search_storage(directory, args.pg_port, args.pg_listen), flush=True)
         backend, auth_db = f"{prefix}/mlflow", args.auth_database_uri or f"{prefix}/mlflow_auth"
-    env = {**os.environ, **store_env, "MLFLOW_BACKEND_STORE_URI": backend, "MLFLOW_AUTH_ADMIN_PASSWORD": password,
+    env = {**NO_JOB_RUNNER, **os.environ, **store_env, "MLFLOW_BACKEND_STORE_URI": backend,
+           "MLFLOW_AUTH_ADMIN_PASSWORD": password,
            # the auth app's CSRF key: one per server directory, kept across restarts (sessions survive them)
            "MLFLOW_FLASK_SERVER_SECRET_KEY": _secret(directory, "flask-secret-key"),
            "MLFLOW_AUTH_CONFIG_PATH": str(write_auth_config(directory, auth_db, args.admin_username))}
@@ -436,6 +446,8 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=5000)
     s.add_argument("--allowed-hosts", default=None, help="Host headers accepted (mlflow's --allowed-hosts; default *)")
+    s.add_argument("--workers", type=int, default=None,
+                   help="processes that answer requests (mlflow's --workers; default MLflow's, 4)")
     s.add_argument("--pg-port", type=int, default=5433, help="our PostgreSQL's port (default %(default)s)")
     s.add_argument("--pg-listen", default="127.0.0.1", metavar="ADDRESSES",
                    help="our PostgreSQL's listen_addresses (default %(default)s: this host only); e.g. 0.0.0.0 for "

@@ -676,7 +676,7 @@ def test_the_tracking_server_keeps_a_registered_models_files_in_the_bucket_and_s
     script, port, admin = str(ROOT / "deploy" / "tracking_server.py"), free_port(), "admin-pw-0123456789"
     server = [sys.executable, script, "start", "--dir", str(tmp_path / "server"), "--port", str(port),
               "--backend-store-uri", f"sqlite:///{tmp_path / 'server' / 'mlflow.db'}",
-              "--artifacts-destination", "s3://ddpipe/mlflow"]
+              "--artifacts-destination", "s3://ddpipe/mlflow", "--workers", "1"]
     env = {**object_store_env(store), "MLFLOW_AUTH_ADMIN_PASSWORD": admin}
     wrong = run(server, env={**env, "AWS_SECRET_ACCESS_KEY": "not-the-secret"}, check=False)
     assert wrong.returncode != 0 and "--artifacts-destination (s3://ddpipe/mlflow" in wrong.stderr, wrong.stderr

@@ -55,7 +55,8 @@ class Server:
     def start(self) -> str:
         """Start it; what it printed (the search's storage URL, read from there, in ``search_storage``)."""
         out = run(["python", SCRIPT, "start", "--dir", str(self.dir), "--port", str(self.port), "--pg-port",
-                   str(self.pg_port)], env={"MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN_PW}, timeout=300).stdout
+                   str(self.pg_port), "--workers", "1"],
+                  env={"MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN_PW}, timeout=300).stdout
         self.search_storage = re.search(r"^search\.storage: (\S+) ", out, re.M)[1]
         return out
 
@@ -103,6 +104,17 @@ def _status(url: str, method: str = "GET", body: dict | None = None) -> int:
             return r.status
     except urllib.error.HTTPError as exc:
         return exc.code
+
+
+def test_the_server_runs_the_workers_asked_for_and_no_job_runner(server: Server) -> None:
+    """`start --workers 1` (what these tests ask for): mlflow server and one uvicorn process that answers, and nothing
+    of MLflow's job runner, whose huey consumers no ddpipe run needs (deploy/tracking_server.py, NO_JOB_RUNNER)."""
+    import psutil
+
+    top = psutil.Process(int((server.dir / "mlflow-server.pid").read_text()))
+    lines = [" ".join(p.cmdline()) for p in (top, *top.children(recursive=True))]
+    assert not [line for line in lines if "huey" in line], lines
+    assert len(lines) == 2 and "uvicorn" in lines[1] and "--workers 1" in lines[1], lines
 
 
 def test_without_credentials_every_request_gets_401(server: Server) -> None:

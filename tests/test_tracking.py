@@ -154,12 +154,14 @@ def test_real_mlflow_server_gets_system_metrics_from_every_node(tmp_path: Path, 
     one run, with MLflow's system metrics from node0 (rank 0) and node1 (the other agent's local rank 0).
     The sampling interval is longer than the run: each node's samples are logged when it stops (MLflow's
     own loop would drop a node that ran for less than one interval)."""
+    from deploy.tracking_server import NO_JOB_RUNNER
+
     port = free_port()
     server = subprocess.Popen(
         [str(VENV_BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
          "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
          "--artifacts-destination", str(tmp_path / "server-artifacts"), "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        env=subprocess_env(NO_JOB_RUNNER), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         uri = f"http://127.0.0.1:{port}"
         wait_for_url(f"{uri}/health", 90, server)
