@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gzip
 import json
@@ -414,6 +415,27 @@ def predict_without_ddpipe(model_uri: str, tracking_uri: str, images: np.ndarray
                cwd=workdir, env={"MLFLOW_TRACKING_URI": ""}).stdout
     answer = json.loads(said.strip().splitlines()[-1])
     return answer["labels"], answer["served_by"]
+
+
+@contextlib.contextmanager
+def plain_mlflow_server(folder: Path) -> Iterator[str]:
+    """A plain `mlflow server` on 127.0.0.1 (sqlite and artifacts under ``folder``), its URL once it answers; one
+    process that answers, without MLflow's job runner, as deploy/tracking_server.py starts the team's: 2 processes and
+    5 s of CPU to start, against MLflow's defaults' 15 and 31-35 s (BENCHMARKS.md, "Tracking")."""
+    from deploy.tracking_server import NO_JOB_RUNNER
+
+    port = free_port()
+    proc = subprocess.Popen([str(VENV_BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+                             "--backend-store-uri", f"sqlite:///{folder}/server.db", "--artifacts-destination",
+                             str(folder / "server-artifacts"), "--workers", "1"],
+                            cwd=folder, env=subprocess_env(NO_JOB_RUNNER), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for_url(f"http://127.0.0.1:{port}/health", 120, proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(proc.pid, 9)  # the whole session: the server and its uvicorn worker
+        proc.wait(timeout=30)
 
 
 def wait_for_url(url: str, seconds: float, proc: subprocess.Popen | None = None) -> None:

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,10 +28,9 @@ from tests.conftest import (
     VENV_BIN,
     commit_params,
     free_port,
+    plain_mlflow_server,
     run,
     same_weights,
-    subprocess_env,
-    wait_for_url,
     weights,
 )
 from tests.slurm_cluster import SlurmCluster, unavailable
@@ -385,23 +385,10 @@ def test_a_fresh_clone_reproduces_main_and_a_pushed_experiment_from_an_ssh_remot
 
 
 @pytest.fixture
-def tracking_server(tmp_path: Path):
-    """A plain `mlflow server` (sqlite behind it) on 127.0.0.1: what jobs on nodes that share nothing log to; one
-    process, without MLflow's job runner (as deploy/tracking_server.py starts it: 6 s of CPU to start, not 35-41)."""
-    from deploy.tracking_server import NO_JOB_RUNNER
-
-    port = free_port()
-    proc = subprocess.Popen(["mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--backend-store-uri",
-                             f"sqlite:///{tmp_path}/server.db", "--artifacts-destination", str(tmp_path / "art"),
-                             "--workers", "1"],
-                            cwd=tmp_path, env=subprocess_env(NO_JOB_RUNNER), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        wait_for_url(f"http://127.0.0.1:{port}/health", 120, proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(30)
+def tracking_server(tmp_path: Path) -> Iterator[str]:
+    """A plain `mlflow server` (sqlite behind it) on 127.0.0.1: what jobs on nodes that share nothing log to."""
+    with plain_mlflow_server(tmp_path) as url:
+        yield url
 
 
 @pytest.mark.slow

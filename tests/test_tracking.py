@@ -4,7 +4,6 @@ experiments end to end in a temporary clone; tracking down never stops training.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import time
@@ -25,13 +24,12 @@ from tests.conftest import (
     FASHION_DIR,
     PARAMS,
     ROOT,
-    VENV_BIN,
     args_for,
     clone_repo,
     free_port,
+    plain_mlflow_server,
     run,
     subprocess_env,
-    wait_for_url,
 )
 
 
@@ -154,17 +152,7 @@ def test_real_mlflow_server_gets_system_metrics_from_every_node(tmp_path: Path, 
     one run, with MLflow's system metrics from node0 (rank 0) and node1 (the other agent's local rank 0).
     The sampling interval is longer than the run: each node's samples are logged when it stops (MLflow's
     own loop would drop a node that ran for less than one interval)."""
-    from deploy.tracking_server import NO_JOB_RUNNER
-
-    port = free_port()
-    server = subprocess.Popen(
-        [str(VENV_BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
-         "--artifacts-destination", str(tmp_path / "server-artifacts"), "--workers", "1"],
-        env=subprocess_env(NO_JOB_RUNNER), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        uri = f"http://127.0.0.1:{port}"
-        wait_for_url(f"{uri}/health", 90, server)
+    with plain_mlflow_server(tmp_path) as uri:
         rdzv = free_port()
         env = subprocess_env({"MLFLOW_TRACKING_URI": uri, "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "600"})
         two_nodes = DistributedConfig(nnodes="2", rdzv_endpoint=f"127.0.0.1:{rdzv}", rdzv_id="sysmetrics")
@@ -180,9 +168,6 @@ def test_real_mlflow_server_gets_system_metrics_from_every_node(tmp_path: Path, 
         assert r.info.status == "FINISHED" and len(client.get_metric_history(r.info.run_id, "val_loss")) == 2
         for node in ("node0", "node1"):
             assert f"system/{node}/cpu_utilization_percentage" in r.data.metrics, sorted(r.data.metrics)
-    finally:
-        os.killpg(server.pid, 9)  # the server's job-queue workers ignore SIGTERM
-        server.wait(timeout=30)
 
 
 @pytest.mark.slow
