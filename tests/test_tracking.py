@@ -530,6 +530,45 @@ def test_a_run_left_running_by_sigkill_is_closed_failed_by_a_fresh_start(tmp_pat
     assert new.info.status == "FINISHED"
 
 
+def test_a_close_added_between_a_delivery_and_the_removal_of_a_killed_runs_journal_is_delivered_next(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A fresh start's courier delivers a killed attempt's journal and removes it once the store has it whole, while
+    the fresh start adds that run's close to it: a close added between the delivery and the removal keeps the journal
+    (it once went with it, and the run stayed RUNNING: CI of 324cd4d) and goes with the next delivery."""
+    import socket
+    import types
+
+    from ddpipe.tracking import outbox
+
+    client, run_id, journal = _journal_of_a_new_run(monkeypatch, tmp_path, "late-close")
+    journal.append("metrics", metrics=[["loss", 1.0, 1_700_000_000_000, 1]])
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (journal.dir / "main.owner").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    (markers / f"mlflow-run-{run_id}.json").write_text(json.dumps({"run_id": run_id, "host": socket.gethostname(),
+                                                                   "pid": dead.pid}))
+    fresh = MlflowTracker(MlflowConfig(tracking_uri=journal.uri, outbox=str(tmp_path / "outbox")))
+    fresh.courier = types.SimpleNamespace(poke=lambda: None)
+    delivered = outbox.Journal.deliver
+
+    def deliver_then_close(self: outbox.Journal, wait: bool = False) -> outbox.Delivery:
+        result = delivered(self, wait)
+        fresh._close_orphans(markers, keep=None)  # the fresh start, right after this delivery
+        return result
+
+    monkeypatch.setattr(outbox.Journal, "deliver", deliver_then_close)
+    assert outbox.deliver_all(tmp_path / "outbox") == (1, 0)
+    assert [r["op"] for _, r in journal.waiting()] == ["close_orphan"] and client.get_run(run_id).info.status == \
+        "RUNNING"
+    monkeypatch.setattr(outbox.Journal, "deliver", delivered)
+    assert outbox.deliver_all(tmp_path / "outbox") == (1, 0)
+    closed = client.get_run(run_id)
+    assert closed.info.status == "FAILED" and "was killed" in closed.data.tags["ddpipe.end_reason"]
+    assert not journal.dir.exists()
+
+
 def test_a_model_record_names_the_network_also_when_written_before_the_names_were_kept() -> None:
     """An outbox that waited for its store across an upgrade still delivers: a record of format 0 (written before
     format versions) from before the names were kept holds the run's whole config instead of the names."""

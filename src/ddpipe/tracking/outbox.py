@@ -62,6 +62,10 @@ RECORD_FORMAT, FORMAT_KEY = 1, "v"
 # it held both from the first.
 RUN_INFO_FORMAT = 1
 _SAID: set[tuple[str, str]] = set()  # (run key, what) said by this process
+# In the outbox's directory: held to remove a delivered journal and to add a record to a journal another process
+# wrote (a killed run's close, ddpipe.tracking.tracker), so that no record goes with a journal removed after a
+# delivery that came before it.
+REMOVAL_LOCK = ".removal.lock"
 FAILURES_TO_SAY = 2  # failed attempts in a row that make an outage, said
 
 
@@ -283,7 +287,7 @@ class Courier:
                      f"store at {redact(self.journal.uri)} did not answer ({describe(result.error)}). The next "
                      "training or evaluate stage sends them, or now: ddpipe outbox deliver", "left")
         else:
-            finished(self.journal)
+            remove_if_delivered(self.journal, by_writer=True)
         return result
 
 
@@ -321,9 +325,25 @@ def deliver_all(root: Path, uri: str | None = None, skip: Journal | None = None,
             journal.uri = uri
         result = journal.deliver(wait=wait)
         sent, waiting = sent + result.sent, waiting + result.waiting
-        if not result.waiting and not journal.written_by_live_process():
-            finished(journal)
+        if not result.waiting:
+            remove_if_delivered(journal)
     return sent, waiting
+
+
+def removal_lock(root: Path) -> contextlib.AbstractContextManager[bool]:
+    """The lock of the outbox ``root`` on removing journals (:data:`REMOVAL_LOCK`)."""
+    return host_lock(Path(root) / REMOVAL_LOCK)
+
+
+def remove_if_delivered(journal: Journal, by_writer: bool = False) -> bool:
+    """Remove ``journal`` (:func:`finished`) if the store has all of it and, unless ``by_writer``, no live process
+    writes it; looked at again under :func:`removal_lock`: a record another process added since the delivery keeps
+    the journal for the next one."""
+    with removal_lock(journal.dir.parent):
+        if journal.waiting() or (not by_writer and journal.written_by_live_process()):
+            return False
+        finished(journal)
+        return True
 
 
 def finished(journal: Journal) -> None:

@@ -40,7 +40,7 @@ from ddpipe.core.processes import alive_here, this_process
 from ddpipe.core.ranks import DistInfo
 from ddpipe.data.store import load_meta
 from ddpipe.tracking.delivery import is_transient
-from ddpipe.tracking.outbox import Courier, Journal, describe, finished, new_key, outbox_root
+from ddpipe.tracking.outbox import Courier, Journal, describe, finished, new_key, outbox_root, removal_lock
 from ddpipe.tracking.run_store import (
     bound_http_requests,
     dvc_hash,
@@ -228,10 +228,12 @@ class MlflowTracker(Tracker):
                 continue
             if alive_here(marker):
                 continue  # a live training writing into the same directory: not ours to close
-            orphan = Journal(outbox_root(self.cfg.outbox), marker["run_id"], self.uri, owner=False)
-            orphan.append("close_orphan", time=int(time.time() * 1000), reason=(
-                "its process was killed (SIGKILL, out of memory or a lost node) and the next "
-                f"attempt (run {self.run_id or 'new'}) did not resume it: it started fresh"))
+            root = outbox_root(self.cfg.outbox)
+            with removal_lock(root):  # not lost to a delivery of the orphan's journal that removes it meanwhile
+                orphan = Journal(root, marker["run_id"], self.uri, owner=False)
+                orphan.append("close_orphan", time=int(time.time() * 1000), reason=(
+                    "its process was killed (SIGKILL, out of memory or a lost node) and the next "
+                    f"attempt (run {self.run_id or 'new'}) did not resume it: it started fresh"))
             path.unlink(missing_ok=True)
         self.courier.poke()  # the orphans' journals go with the others (Courier(others=True))
 
