@@ -348,6 +348,12 @@ LIGHT_EXPORT = ("export.latency_runs=0", "export.calibration_images=64")
 TIMED_EXPORT = ("export.latency_runs=3", "export.latency_batch_sizes=[1,8]", "export.calibration_images=64")
 
 
+# For a test that reads no MLflow run: its trainings open no store and never import MLflow (2.9 s less CPU each of
+# a tiny training's 6.3-6.7 s here: python bench/suite_processes.py ... and docs/tracking.md, mlflow.enabled). The
+# tests of what a run records keep MLflow, as the users' trainings do.
+UNTRACKED = "mlflow.enabled=false"
+
+
 def args_for(tmp: Path, prepared: Path, *extra: str) -> list[str]:
     return [*tiny_overrides(tmp), f"paths.prepared={prepared}", "train.hflip=false", *extra]
 

@@ -21,6 +21,7 @@ from ddpipe.launch.torchrun import torchrun_command
 from tests.conftest import (
     CLONE_ENV,
     ROOT,
+    UNTRACKED,
     args_for,
     free_port,
     max_rel_diff,
@@ -50,7 +51,7 @@ def test_two_torchrun_agents_on_one_machine_match_one_agent_with_two_processes(t
     """--nnodes=2 --nproc-per-node=1 with a c10d rendezvous on 127.0.0.1 == one agent, 2 processes.
     Both agents see that they share the host, so each process gets 1 of the 2 cores in both launches:
     the same arithmetic, hence the same weights (bit for bit here)."""
-    common = ["num_epochs=1"]
+    common = ["num_epochs=1", UNTRACKED]
     run(torchrun(2, *args_for(tmp_path / "single", prepared, *common)))
     port = free_port()
     two_nodes = DistributedConfig(nnodes="2", rdzv_endpoint=f"127.0.0.1:{port}", rdzv_id="fault-suite")

@@ -22,6 +22,7 @@ from tests.conftest import (
     GIT_ENV,
     ROOT,
     STOPPED,
+    UNTRACKED,
     args_for,
     free_port,
     kill_all,
@@ -37,7 +38,7 @@ from tests.conftest import (
 
 # 2 processes x 1 thread, about 30 steps an epoch on the session's 1,050 training images
 EXTRA = ("num_epochs=3", "train.batch_size_per_rank=16", "distributed.nproc_per_node=2",
-         "distributed.threads_per_process=1")
+         "distributed.threads_per_process=1", UNTRACKED)
 
 
 # a step checkpoint every 2 steps (not part of the run's fingerprint): a test waits for the one of epoch 2,
@@ -211,7 +212,7 @@ def encoded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # 2 processes x 1 thread, 2 loader workers each decoding and cropping, 15 steps an epoch, a checkpoint every 2
 ENCODED = ("num_epochs=3", "data.image_size=32", "data.num_workers=2", "train.batch_size_per_rank=8",
            "model.name=resnet_compact", "distributed.nproc_per_node=2", "distributed.threads_per_process=1",
-           "train.hflip=true", "train.checkpoint_every_steps=2")
+           "train.hflip=true", "train.checkpoint_every_steps=2", UNTRACKED)
 
 
 # the recipe in the workers (a policy, erasing, MixUp/CutMix partners) and in the checkpoint (the weight average)
@@ -245,7 +246,7 @@ def test_a_training_stopped_at_two_processes_resumes_at_one_and_takes_the_same_s
     does not depend on the world size either, so if every remaining step takes the same samples, the run ends
     bit-equal to one trained at 1 process throughout."""
     common = ("num_epochs=2", "distributed.exact=true", "train.lr_scaling=none", "distributed.threads_per_process=1",
-              "train.checkpoint_every_steps=2")
+              "train.checkpoint_every_steps=2", UNTRACKED)
     one = ("train.batch_size_per_rank=32", "distributed.nproc_per_node=1")
     whole = tmp_path / "whole"
     run([sys.executable, "-m", "ddpipe.launch", *args_for(whole, prepared, *common, *one)], env=CLONE_ENV)

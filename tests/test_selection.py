@@ -18,7 +18,7 @@ from ddpipe.config.schema import TrainConfig
 from ddpipe.core.exits import EXIT_PREEMPTED
 from ddpipe.engine.ema import WeightAverage
 from ddpipe.engine.selection import ModelSelection
-from tests.conftest import CLONE_ENV, ROOT, args_for, run, same_weights, subprocess_env, weights
+from tests.conftest import CLONE_ENV, ROOT, UNTRACKED, args_for, run, same_weights, subprocess_env, weights
 
 
 def test_the_best_epoch_is_kept_and_ties_keep_the_earliest() -> None:
@@ -123,7 +123,8 @@ def test_early_stopping_and_best_export_resume_exactly(tmp_path: Path, prepared:
     """Uninterrupted vs stopped by SIGTERM after its first checkpoint and resumed: the same epochs, the
     same best epoch, bit-identical exported weights. Then model_epoch=last rewrites the outputs from the
     same checkpoints (model_epoch does not change the trajectory) with the last epoch's weights."""
-    extra = ("num_epochs=6", "train.early_stopping_patience=1", "train.base_lr=0.02", "train.model_epoch=best")
+    extra = ("num_epochs=6", "train.early_stopping_patience=1", "train.base_lr=0.02", "train.model_epoch=best",
+             UNTRACKED)
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     run(["python", "stages/train_worker.py", *args_for(whole, prepared, *extra)], env=CLONE_ENV)
     history = _history(whole)

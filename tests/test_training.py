@@ -19,13 +19,20 @@ from ddpipe.engine.loop import train
 from ddpipe.engine.resolved import resolve
 from ddpipe.launch.torchrun import this_device
 from ddpipe.models.saved import load_model
-from tests.conftest import ROOT, args_for, max_rel_diff, run, spawn, subprocess_env, torchrun, weights
+from tests.conftest import ROOT, UNTRACKED, args_for, max_rel_diff, run, spawn, subprocess_env, torchrun, weights
 
 
 @pytest.mark.slow
 @pytest.mark.cpu_kernels
 def test_plain_process_trains_and_writes_every_output(tmp_path: Path, prepared: Path) -> None:
-    run(["python", "stages/train_worker.py", *args_for(tmp_path, prepared)])
+    """And with mlflow.enabled=false: no run (paths.run_info names none), MLflow never imported (-X importtime lists
+    every module a process imports)."""
+    out = run(["python", "-X", "importtime", "stages/train_worker.py",
+               *args_for(tmp_path, prepared, UNTRACKED)])
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in out.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "torch" in imported and not imported & {"mlflow", "sqlalchemy", "alembic"}
+    assert json.loads((tmp_path / "run.json").read_text())["run_id"] == ""
     model, saved = load_model(tmp_path / "model.pt")
     assert saved.classes == [str(i) for i in range(10)]
     metrics = json.loads((tmp_path / "train.json").read_text())["train"]
@@ -169,7 +176,7 @@ def test_one_and_two_processes_end_as_close_as_float_rounding_allows(tmp_path: P
     is below what rounding alone produces, and at this distance a real defect hides in the noise
     (2 processes without SyncBatchNorm: 28%); the test below is the one that tells them apart, and
     distributed.exact removes the rounding differences altogether (tests/test_exact.py: 0.0)."""
-    common = ["train.lr_scaling=none", "train.hflip=true"]
+    common = ["train.lr_scaling=none", "train.hflip=true", UNTRACKED]
     one, threads, two, other = (tmp_path / name for name in ("one", "one-thread", "two", "other-seed"))
     run(torchrun(1, *args_for(one, prepared, *common, "train.batch_size_per_rank=64",
                               "distributed.threads_per_process=2")))
@@ -194,7 +201,7 @@ def test_one_and_two_processes_take_the_same_steps(tmp_path: Path, prepared: Pat
     threads vs 1 (measured 1.4e-4 and 1.2e-4), and a 2-process run without SyncBatchNorm (each rank
     normalising by its own 256 samples: a real defect) clearly further (1.0e-3)."""
     common = ["train.lr_scaling=none", "train.precision=fp32", "train.optimizer=sgd", "train.base_lr=0.01",
-              "num_epochs=1"]
+              "num_epochs=1", UNTRACKED]
     runs = {
         "one": (1, "train.batch_size_per_rank=512", "distributed.threads_per_process=2"),
         "one-thread": (1, "train.batch_size_per_rank=512", "distributed.threads_per_process=1"),
@@ -252,7 +259,7 @@ def test_sigkilled_worker_is_restarted_and_resumes_exactly(tmp_path: Path, prepa
 def test_two_trainings_at_once_on_one_machine(tmp_path: Path, prepared: Path) -> None:
     env = subprocess_env()
     procs = [subprocess.Popen(torchrun(2, *args_for(tmp_path / f"run{i}", prepared, "num_epochs=1",
-                                                    f"seed={i}")),
+                                                    f"seed={i}", UNTRACKED)),
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in (1, 2)]
     for p in procs:
@@ -269,7 +276,7 @@ def test_a_training_started_beside_another_takes_its_share_of_the_cores(tmp_path
     trainings take their own cores, does not count; the thread count is left to the leases (null)."""
     registry = {"TMPDIR": str(tmp_path / "tmp")}
     (tmp_path / "tmp").mkdir()
-    shared = ("distributed.threads_per_process=null",)
+    shared = ("distributed.threads_per_process=null", UNTRACKED)
     log = tmp_path / "long.log"
     with log.open("w") as out:
         long = subprocess.Popen(torchrun(2, *args_for(tmp_path / "long", prepared, "num_epochs=200", *shared)),
@@ -291,7 +298,7 @@ def test_a_training_started_beside_another_takes_its_share_of_the_cores(tmp_path
 @pytest.mark.slow
 def test_same_seed_twice_gives_the_same_metrics(tmp_path: Path, prepared: Path) -> None:
     for name in ("a", "b"):
-        run(["python", "stages/train_worker.py", *args_for(tmp_path / name, prepared, "num_epochs=1")])
+        run(["python", "stages/train_worker.py", *args_for(tmp_path / name, prepared, "num_epochs=1", UNTRACKED)])
     a, b = (json.loads((tmp_path / n / "train.json").read_text())["train"] for n in ("a", "b"))
     for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy"):
         assert a[key] == b[key], key

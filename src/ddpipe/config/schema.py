@@ -298,9 +298,8 @@ class DistributedConfig:
         "value is kept, and the others share the cores it leaves); the evaluate and export stages' threads too "
         "(null: their share of the host).", ge=1,
     )
-    timeout_s: int = param(
-        600, "Bound on every collective; a silent rank fails the job after this.", ge=1, trajectory=False
-    )
+    timeout_s: int = param(600, "Bound on every collective; a silent rank fails the job after this.", ge=1,
+                           trajectory=False)
     shutdown_timeout_s: int = param(
         60, "torchrun --shutdown-timeout: after forwarding a stop signal, seconds it gives the workers to "
         "checkpoint their step and exit before it kills them.", ge=1, trajectory=False,
@@ -311,9 +310,10 @@ class DistributedConfig:
 class MlflowConfig:
     """Where the train and evaluate stages record a run (MLflow), and what becomes of its model there."""
 
-    tracking_uri: Optional[str] = param(
-        None, "Where runs go. MLFLOW_TRACKING_URI wins; null: sqlite:///<repo root>/mlflow.db."
-    )
+    enabled: bool = param(True, "Record each training as an MLflow run, with its evaluate and export figures; false: "
+                          "no run, no store opened, MLflow not imported (the stages' files hold every figure).")
+    tracking_uri: Optional[str] = param(None, "Where runs go. MLFLOW_TRACKING_URI wins; null: sqlite:///<repo root>/"
+                                        "mlflow.db.")
     experiment_name: str = param("ddpipe", "MLflow experiment the runs are filed under.")
     log_model: bool = param(
         True, "Log the exported model (train.model_epoch) as an MLflow pyfunc model that takes images as clients have "

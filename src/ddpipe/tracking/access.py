@@ -23,10 +23,11 @@ class StoreAccessError(ConfigError):
 
 
 def check_access(cfg: MlflowConfig) -> str | None:
-    """Nothing for a local store; for a server: None when this user may write to ``cfg.experiment_name`` (created
-    when missing), a note when the server does not answer, StoreAccessError when it refuses."""
+    """Nothing for a local store or with ``mlflow.enabled`` false; for a server: None when this user may write to
+    ``cfg.experiment_name`` (created when missing), a note when the server does not answer, StoreAccessError when it
+    refuses."""
     uri = tracking_uri(cfg)
-    if not is_server(uri):
+    if not (cfg.enabled and is_server(uri)):
         return None
     bound_http_requests()
     import mlflow

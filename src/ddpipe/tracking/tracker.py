@@ -317,5 +317,6 @@ class RunLogger(MlflowTracker):
 
 
 def make_tracker(cfg: MlflowConfig, info: DistInfo) -> Tracker:
-    """MLflow on global rank 0, a do-nothing tracker on every other rank."""
-    return MlflowTracker(cfg, info) if info.is_main else Tracker()
+    """MLflow on global rank 0, a do-nothing tracker on every other rank, and on every rank with ``mlflow.enabled``
+    false."""
+    return MlflowTracker(cfg, info) if info.is_main and cfg.enabled else Tracker()
