@@ -348,9 +348,8 @@ LIGHT_EXPORT = ("export.latency_runs=0", "export.calibration_images=64")
 TIMED_EXPORT = ("export.latency_runs=3", "export.latency_batch_sizes=[1,8]", "export.calibration_images=64")
 
 
-# For a test that reads no MLflow run: its trainings open no store and never import MLflow (2.9 s less CPU each of
-# a tiny training's 6.3-6.7 s here: python bench/suite_processes.py ... and docs/tracking.md, mlflow.enabled). The
-# tests of what a run records keep MLflow, as the users' trainings do.
+# For a test that reads no MLflow run: its trainings open no store and never import MLflow (BENCHMARKS.md,
+# "Tracking": about 3 s less CPU of a tiny training's 7; docs/architecture.md, "What a test may cost").
 UNTRACKED = "mlflow.enabled=false"
 
 
