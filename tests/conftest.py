@@ -48,6 +48,13 @@ FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 VENV_BIN = Path(sys.executable).parent
 
 
+def dead_pid() -> int:
+    """The pid of a process that has ended and been reaped: what the marker of a killed holder names."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -26,6 +26,7 @@ from tests.conftest import (
     PARAMS,
     clone_repo,
     commit_params,
+    dead_pid,
     kill_all,
     prune_a_two_process_trial,
     run,
@@ -197,11 +198,10 @@ def test_trials_of_a_gone_driver_are_taken_over_under_their_numbers_once(tmp_pat
 
     plan = _plan(tmp_path, LR, "search.first=[]")
     study = open_study(plan)
-    dead = subprocess.Popen(["true"])
-    dead.wait()
+    dead = dead_pid()
     dists = {k: d.to_optuna() for k, d in plan.space.items()}
     orphan, live = study.ask(dists), study.ask(dists)
-    orphan.set_user_attr("driver", {"host": socket.gethostname(), "pid": dead.pid, "started": start_time(dead.pid)})
+    orphan.set_user_attr("driver", {"host": socket.gethostname(), "pid": dead, "started": start_time(dead)})
     live.set_user_attr("driver", {**driver_mark(), "pid": os.getppid(), "started": start_time(os.getppid())})
     assert [t.number for t in orphans(study, plan.storage, lambda number: [])[0]] == [orphan.number]
     assert [t.state for t in study.trials] == [optuna.trial.TrialState.RUNNING] * 2 and len(study.trials) == 2

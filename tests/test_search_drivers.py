@@ -16,7 +16,7 @@ import pytest
 
 from ddpipe.config.load import load_config
 from ddpipe.search.space import make_plan
-from tests.conftest import PARAMS
+from tests.conftest import PARAMS, dead_pid
 
 LR = "search.space.train.base_lr=loguniform(1e-4, 1e-1)"
 
@@ -151,9 +151,8 @@ def test_a_dead_drivers_trials_are_taken_over_by_exactly_one_driver(tmp_path: Pa
 
     plan = _plan(tmp_path, "search.study=o", "search.first=[]")
     study = open_study(plan)
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    mark = {"host": socket.gethostname(), "pid": dead.pid, "started": start_time(dead.pid)}
+    dead = dead_pid()
+    mark = {"host": socket.gethostname(), "pid": dead, "started": start_time(dead)}
     for _ in range(12):
         study.ask({k: d.to_optuna() for k, d in plan.space.items()}).set_user_attr("driver", mark)
     fork = multiprocessing.get_context("fork")
@@ -166,7 +165,7 @@ def test_a_dead_drivers_trials_are_taken_over_by_exactly_one_driver(tmp_path: Pa
         t.join(30)
     assert sorted(n for got in taken for n in got) == list(range(12)), taken
     owners = {t.user_attrs["driver"]["pid"] for t in open_study(plan).get_trials(deepcopy=False)}
-    assert owners <= {t.pid for t in takers} and dead.pid not in owners
+    assert owners <= {t.pid for t in takers} and dead not in owners
 
 
 def test_a_trial_whose_driver_died_alone_is_left_to_its_live_training_then_taken_once(
@@ -185,9 +184,8 @@ def test_a_trial_whose_driver_died_alone_is_left_to_its_live_training_then_taken
                  "search.jobs=1", "search.pruner=none")
     study = open_study(plan)
     trial = study.ask({k: d.to_optuna() for k, d in plan.space.items()})
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    trial.set_user_attr("driver", {"host": driver.driver_mark()["host"], "pid": dead.pid, "started": "0"})
+    dead = dead_pid()
+    trial.set_user_attr("driver", {"host": driver.driver_mark()["host"], "pid": dead, "started": "0"})
     trial.set_user_attr("attempts", 1)
     folder = driver.trial_workspace(plan, 0)
     folder.mkdir(parents=True)

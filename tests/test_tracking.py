@@ -26,6 +26,7 @@ from tests.conftest import (
     ROOT,
     args_for,
     clone_repo,
+    dead_pid,
     free_port,
     plain_mlflow_server,
     run,
@@ -542,13 +543,12 @@ def test_a_close_added_between_a_delivery_and_the_removal_of_a_killed_runs_journ
 
     client, run_id, journal = _journal_of_a_new_run(monkeypatch, tmp_path, "late-close")
     journal.append("metrics", metrics=[["loss", 1.0, 1_700_000_000_000, 1]])
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    (journal.dir / "main.owner").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
+    dead = dead_pid()
+    (journal.dir / "main.owner").write_text(json.dumps({"host": socket.gethostname(), "pid": dead}))
     markers = tmp_path / "markers"
     markers.mkdir()
     (markers / f"mlflow-run-{run_id}.json").write_text(json.dumps({"run_id": run_id, "host": socket.gethostname(),
-                                                                   "pid": dead.pid}))
+                                                                   "pid": dead}))
     fresh = MlflowTracker(MlflowConfig(tracking_uri=journal.uri, outbox=str(tmp_path / "outbox")))
     fresh.courier = types.SimpleNamespace(poke=lambda: None)
     delivered = outbox.Journal.deliver

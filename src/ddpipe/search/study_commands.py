@@ -20,7 +20,6 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from ddpipe.config.command import CommandParser, load_or_exit, run_command
 from ddpipe.config.load import DEFAULT_PARAMS_FILE, user_errors
@@ -124,16 +123,10 @@ def _run(cfg: Config, plan: Plan, root: Path, on_cluster: bool) -> int:
     if not cfg.mlflow.enabled:
         logger.info(f"plots in {plan.folder} (mlflow.enabled is false: no MLflow parent run)")
     else:
-        _log_plots(cfg, study, written, plan.folder)
+        try:
+            parent = report.log_to_parent(cfg, study, written)
+            logger.info(f"plots in {plan.folder}, logged to the MLflow parent run {parent}")
+        except Exception as exc:  # the search is done and the plots on disk; the next run logs them again
+            logger.warning(f"warning: could not log the plots to MLflow ({type(exc).__name__}: {exc})")
     print(report.status(study), end="")
     return 0
-
-
-def _log_plots(cfg: Config, study: Any, written: list[Path], folder: Path) -> None:
-    from ddpipe.search import report
-
-    try:
-        parent = report.log_to_parent(cfg, study, written)
-        logger.info(f"plots in {folder}, logged to the MLflow parent run {parent}")
-    except Exception as exc:  # the search is done and the plots on disk; the next run logs them again
-        logger.warning(f"warning: could not log the plots to MLflow ({type(exc).__name__}: {exc})")

@@ -217,6 +217,7 @@ class MlflowTracker(Tracker):
 
     def _close_orphans(self, markers: Path, keep: str | None) -> None:
         """FAILED, with the reason, for each run a killed attempt left RUNNING (but ``keep``), after its outbox."""
+        root = outbox_root(self.cfg.outbox)
         for path in sorted(Path(markers).glob("mlflow-run-*.json")):
             try:
                 marker = json.loads(path.read_text())
@@ -228,7 +229,6 @@ class MlflowTracker(Tracker):
                 continue
             if alive_here(marker):
                 continue  # a live training writing into the same directory: not ours to close
-            root = outbox_root(self.cfg.outbox)
             with removal_lock(root):  # not lost to a delivery of the orphan's journal that removes it meanwhile
                 orphan = Journal(root, marker["run_id"], self.uri, owner=False)
                 orphan.append("close_orphan", time=int(time.time() * 1000), reason=(
