@@ -29,6 +29,7 @@ from tests.conftest import (
     commit_params,
     free_port,
     plain_mlflow_server,
+    queue_status,
     run,
     same_weights,
     weights,
@@ -51,7 +52,7 @@ def queue(repo: Path, name: str, *sets: str) -> None:
 
 
 def queued_names(repo: Path) -> list[str]:
-    out = run(["dvc", "queue", "status"], cwd=repo).stdout
+    out = queue_status(repo)
     return sorted(line.split()[1] for line in out.splitlines()[1:] if line.strip() and "Queued" in line)
 
 

@@ -15,6 +15,7 @@ from tests.conftest import (
     CLONE_ENV,
     STOPPED,
     none_left_within,
+    queue_status,
     run,
     same_weights,
     subprocess_env,
@@ -48,8 +49,7 @@ def _no_worker(clone: Path, seconds: float = 60) -> None:
     seconds later, and a task queued meanwhile can reach it and be dropped unrun: in CI at 6b4b39c, q3's task was
     received by q2's leaving worker and q3 stayed Queued for 900 s (DVC's shutdown race, treeverse/dvc#10427)."""
     deadline = time.time() + seconds
-    while "Worker status: 0 active, 0 idle" not in (said := run(["dvc", "queue", "status"], cwd=clone,
-                                                                  env=CLONE_ENV).stdout):
+    while "Worker status: 0 active, 0 idle" not in (said := queue_status(clone, CLONE_ENV)):
         assert time.time() < deadline, f"a DVC queue worker still alive after {seconds:.0f} s:\n{said}"
         time.sleep(1)
 
@@ -83,7 +83,7 @@ def _status(clone: Path, name: str, seconds: float = 900) -> str:
     (the third attempt trains 7 epochs: a minute on a busy host), at most ``seconds``."""
     deadline, said = time.time() + seconds, ""
     while time.time() < deadline:
-        rows = [line for line in run(["dvc", "queue", "status"], cwd=clone, env=CLONE_ENV).stdout.splitlines()
+        rows = [line for line in queue_status(clone, CLONE_ENV).splitlines()
                 if f" {name} " in f" {line} "]
         said = rows[0] if rows else ""
         if "Success" in said or "Failed" in said:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from ddpipe.tracking.sweeps import group_children, main, metric_key, table
-from tests.conftest import CLONE_ENV, run, subprocess_env
+from tests.conftest import CLONE_ENV, queue_status, run, subprocess_env
 
 
 def _child(lr: str, seed: str, acc: float | None, f1: float = 0.5) -> SimpleNamespace:
@@ -82,7 +82,7 @@ def test_a_queued_grid_is_one_parent_with_its_children_and_a_summary(repro_clone
     while time.time() < deadline:
         refs = run(["git", "for-each-ref", "--format=%(refname)", "refs/exps"], cwd=clone).stdout.split()
         if len(refs) >= 4 or time.time() - asked > 30:
-            status, asked = run(["dvc", "queue", "status"], cwd=clone, env=env).stdout, time.time()
+            status, asked = queue_status(clone, env), time.time()
             if "Queued" not in status and "Running" not in status:
                 break
         time.sleep(0.5)
