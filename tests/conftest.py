@@ -397,9 +397,14 @@ def run(cmd: list[str] | str, cwd: Path = ROOT, env: dict | None = None, timeout
     result = subprocess.run(cmd, cwd=cwd, env=subprocess_env(env), capture_output=True, text=True, timeout=timeout,
                             shell=isinstance(cmd, str))
     if check and result.returncode != 0:
-        raise AssertionError(f"{cmd} exited {result.returncode}\nstdout:\n{result.stdout[-4000:]}\n"
-                             f"stderr:\n{result.stderr[-6000:]}")
+        raise failed(cmd, result)
     return result
+
+
+def failed(cmd: list[str] | str, result: subprocess.CompletedProcess) -> AssertionError:
+    """What :func:`run` raises for a command that failed: the command, its exit code and the ends of its output."""
+    return AssertionError(f"{cmd} exited {result.returncode}\nstdout:\n{result.stdout[-4000:]}\n"
+                          f"stderr:\n{result.stderr[-6000:]}")
 
 
 TORN_READ = "unexpected error - Expecting value: line 1 column 1 (char 0)"
@@ -410,14 +415,14 @@ def queue_status(clone: Path, env: dict | None = None, tries: int = 5) -> str:
     creates a message or exchange file before it locks and fills it, and whose reader of messages takes no lock: a read
     in between finds the file empty and DVC ends with ``TORN_READ`` (in CI at 03f1e6c, after printing the task table;
     treeverse/dvc#8014 is the same race). Asked again on that error only, at most ``tries`` times."""
+    cmd = ["dvc", "queue", "status"]
     for left in range(tries - 1, -1, -1):
-        said = run(["dvc", "queue", "status"], cwd=clone, env=env, check=False)
+        said = run(cmd, cwd=clone, env=env, check=False)
         if said.returncode == 0 or TORN_READ not in said.stderr or not left:
             break
         time.sleep(0.2)
     if said.returncode != 0:
-        raise AssertionError(f"dvc queue status exited {said.returncode}\nstdout:\n{said.stdout[-4000:]}\n"
-                             f"stderr:\n{said.stderr[-6000:]}")
+        raise failed(cmd, said)
     return said.stdout
 
 
